@@ -1,0 +1,1 @@
+"""prefixmesh.overlay"""
