@@ -1,0 +1,612 @@
+"""Routing policy: serve a request locally or forward it to one peer, with an explanation.
+
+Both the real node and the simulator (``bench/``) build a ``RouteContext`` (what this
+node knows about the request, itself and its candidate peers) and ask a ``Policy`` for a
+``Decision``. Policies are deterministic: randomness comes from the ``random.Random``
+given to ``make_policy`` and is drawn only to break exact ties (``prefixmesh``,
+``paper``, ``oracle``) or to pick a target (``random``).
+
+Policies (``make_policy(name, ...)``)
+    ``prefixmesh`` (ours). Cost model, in seconds::
+
+        local  = (prompt - local_matched) / local_prefill_tps + local_queue_wait
+        peer X = (prompt - matched_X * trust_X) / prefill_tps_X + queue_wait_X + rtt_X
+
+    Forward to the cheapest eligible peer only when ``local - peer > margin_s +
+    margin_frac * local``: the saving must beat the network hop's cost by a margin, so
+    estimate noise does not make requests bounce. Eligible means: not visited, not
+    this node, ``trust >= trust_floor``, and within the *bounded-load* limit (see
+    ``load_bound``): a peer advertising the longest match is not eligible once it
+    carries more than ``(1 + load_epsilon)`` times its fair share of the load. This
+    is what fixes the reference paper's hot-node problem (its longest-match rule sends
+    2.3-2.6x more traffic to the nodes holding popular prefixes). Nothing is forwarded
+    when ``hop_budget <= 0``. A peer with no cache gain can still win when this node's
+    queue wait dominates; callers that want such load shedding should include a few
+    lightly-loaded peers among the candidates even when they match nothing.
+    ``paper``: the reference paper's rule (arXiv:2606.17059): the longest estimated
+    match wins, ties go to local; no load, latency or trust awareness.
+    ``round-robin``: a per-instance counter over ``[self] + pool``. ``random``: a
+    uniform pick from ``[self] + pool``. ``consistent-hash``: rendezvous (highest
+    random weight) hashing of ``first_block`` over ``[self] + pool``; serves locally
+    when the request has no whole block. The pool is ``ctx.all_peers`` (or, when that
+    is empty, the candidates' peers), minus this node, sorted by id.
+    ``local``: always serve. ``oracle``: given exact candidate information by a
+    centralised caller (the simulator), minimise the cost model with no margin, no
+    trust discount and no load bound (queue waits already price load); the upper
+    reference, not a deployable policy.
+    Every policy that picks a peer still respects ``visited`` and ``hop_budget``:
+    when its pick is not allowed it serves locally and says so.
+
+Load units
+    ``load`` figures must be in requests (queued + running), so that one request adds
+    one unit; the bounded-load limit rounds to whole requests.
+
+Fallbacks
+    A forwarding decision lists up to ``max_fallbacks`` further peers, in the order to
+    try them if the chosen hop fails; they exclude the chosen peer, this node and
+    visited peers. For ``prefixmesh`` and ``oracle`` every fallback also beats serving
+    locally under the same rule as the choice; ``paper`` lists the other peers with a
+    longer match than local; ``consistent-hash`` lists the next peers in rendezvous
+    order ranked above this node; ``round-robin`` and ``random`` list none. When the
+    fallbacks are exhausted the node serves locally.
+
+Pure code: no trio, libp2p or llama imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "FORWARD",
+    "POLICY_NAMES",
+    "SERVE",
+    "Candidate",
+    "Decision",
+    "InvalidRouteContext",
+    "InvalidRoutingConfig",
+    "Policy",
+    "RouteContext",
+    "RoutingConfig",
+    "RoutingError",
+    "UnknownPolicy",
+    "candidate_cost_s",
+    "load_bound",
+    "local_cost_s",
+    "make_policy",
+    "peer_label",
+    "rendezvous_score",
+]
+
+SERVE = "serve"
+FORWARD = "forward"
+POLICY_NAMES = (
+    "prefixmesh",
+    "paper",
+    "round-robin",
+    "random",
+    "local",
+    "consistent-hash",
+    "oracle",
+)
+
+
+class RoutingError(ValueError):
+    """Base class of every error raised by the routing module."""
+
+
+class InvalidRoutingConfig(RoutingError):
+    """A ``RoutingConfig`` field is out of its documented range."""
+
+
+class InvalidRouteContext(RoutingError):
+    """A ``RouteContext`` or ``Candidate`` carries an impossible value."""
+
+
+class UnknownPolicy(RoutingError):
+    """``make_policy`` was asked for a name not in ``POLICY_NAMES``."""
+
+
+def _finite_nonneg(value: float, what: str, exc: type[RoutingError]) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+        raise exc(f"{what} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Tunables of the ``prefixmesh`` policy (the baselines use only ``max_fallbacks``).
+
+    load_epsilon: bounded-load slack; a candidate may carry up to ``1 + load_epsilon``
+        times the mean load (counting the request being placed). 0.25 as in Mirrokni
+        et al.'s consistent hashing with bounded loads.
+    margin_s, margin_frac: forward only if the estimated saving exceeds
+        ``margin_s + margin_frac * est_local_s`` (50 ms + 10 % of the local estimate).
+    trust_floor: candidates with ``trust`` below it are ignored.
+    max_fallbacks: how many further peers a forwarding decision lists.
+    """
+
+    load_epsilon: float = 0.25
+    margin_s: float = 0.05
+    margin_frac: float = 0.10
+    trust_floor: float = 0.2
+    max_fallbacks: int = 3
+
+    def __post_init__(self) -> None:
+        _finite_nonneg(self.load_epsilon, "load_epsilon", InvalidRoutingConfig)
+        _finite_nonneg(self.margin_s, "margin_s", InvalidRoutingConfig)
+        _finite_nonneg(self.margin_frac, "margin_frac", InvalidRoutingConfig)
+        if self.margin_frac >= 1:
+            raise InvalidRoutingConfig(
+                f"margin_frac must be < 1 (a saving can never exceed the local cost), "
+                f"got {self.margin_frac!r}"
+            )
+        _finite_nonneg(self.trust_floor, "trust_floor", InvalidRoutingConfig)
+        if self.trust_floor > 1:
+            raise InvalidRoutingConfig(f"trust_floor must be in [0, 1], got {self.trust_floor!r}")
+        if not isinstance(self.max_fallbacks, int) or self.max_fallbacks < 0:
+            raise InvalidRoutingConfig(
+                f"max_fallbacks must be an int >= 0, got {self.max_fallbacks!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One peer the request could go to, as this node estimates it.
+
+    matched_tokens: the peer's estimated cached prefix of this prompt (tokens).
+    prefill_tps: the peer's prefill rate; 0 means unknown, and the local rate is used.
+    load: requests queued + running at the peer. trust in [0, 1].
+    """
+
+    peer: bytes
+    matched_tokens: int
+    prefill_tps: float
+    queue_wait_s: float
+    load: float
+    rtt_s: float
+    trust: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer, bytes):
+            raise InvalidRouteContext(f"candidate peer must be bytes, got {type(self.peer)}")
+        if not isinstance(self.matched_tokens, int) or self.matched_tokens < 0:
+            raise InvalidRouteContext(
+                f"candidate matched_tokens must be an int >= 0, got {self.matched_tokens!r}"
+            )
+        _finite_nonneg(self.prefill_tps, "candidate prefill_tps", InvalidRouteContext)
+        _finite_nonneg(self.queue_wait_s, "candidate queue_wait_s", InvalidRouteContext)
+        _finite_nonneg(self.load, "candidate load", InvalidRouteContext)
+        _finite_nonneg(self.rtt_s, "candidate rtt_s", InvalidRouteContext)
+        _finite_nonneg(self.trust, "candidate trust", InvalidRouteContext)
+        if self.trust > 1:
+            raise InvalidRouteContext(f"candidate trust must be in [0, 1], got {self.trust!r}")
+
+
+@dataclass(frozen=True)
+class RouteContext:
+    """Everything a policy may look at for one request (validated on construction)."""
+
+    prompt_tokens: int
+    local_matched_tokens: int
+    local_prefill_tps: float
+    local_queue_wait_s: float
+    local_load: float
+    candidates: tuple[Candidate, ...]
+    hop_budget: int  # forwards still allowed; <= 0 means serve here
+    visited: frozenset[bytes]  # peers this request has already been through
+    first_block: bytes | None  # h_1 of the request (consistent-hash); None if no block
+    all_peers: tuple[bytes, ...] = ()  # every known peer (round-robin, random, c-hash)
+
+    def __post_init__(self) -> None:
+        # Accept any iterable for the collection fields; store the immutable forms.
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+        object.__setattr__(self, "visited", frozenset(self.visited))
+        object.__setattr__(self, "all_peers", tuple(self.all_peers))
+        if not isinstance(self.prompt_tokens, int) or self.prompt_tokens < 0:
+            raise InvalidRouteContext(
+                f"prompt_tokens must be an int >= 0, got {self.prompt_tokens!r}"
+            )
+        if not isinstance(self.local_matched_tokens, int) or not (
+            0 <= self.local_matched_tokens <= self.prompt_tokens
+        ):
+            raise InvalidRouteContext(
+                f"local_matched_tokens must be an int in [0, prompt_tokens="
+                f"{self.prompt_tokens}], got {self.local_matched_tokens!r}"
+            )
+        _finite_nonneg(self.local_prefill_tps, "local_prefill_tps", InvalidRouteContext)
+        if self.local_prefill_tps == 0:
+            raise InvalidRouteContext("local_prefill_tps must be > 0")
+        _finite_nonneg(self.local_queue_wait_s, "local_queue_wait_s", InvalidRouteContext)
+        _finite_nonneg(self.local_load, "local_load", InvalidRouteContext)
+        if not isinstance(self.hop_budget, int):
+            raise InvalidRouteContext(f"hop_budget must be an int, got {self.hop_budget!r}")
+        seen: set[bytes] = set()
+        for c in self.candidates:
+            if not isinstance(c, Candidate):
+                raise InvalidRouteContext(f"candidates must be Candidate objects, got {c!r}")
+            if c.peer in seen:
+                raise InvalidRouteContext(f"candidate {peer_label(c.peer)} listed twice")
+            seen.add(c.peer)
+        if self.first_block is not None and not isinstance(self.first_block, bytes):
+            raise InvalidRouteContext("first_block must be bytes or None")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one request, and why (``reason`` goes into route traces)."""
+
+    action: str  # SERVE | FORWARD
+    peer: bytes | None  # the peer to forward to; None when serving
+    reason: str
+    est_local_s: float  # cost model's estimate of serving here
+    est_peer_s: float | None  # ... of the chosen peer; None when serving
+    fallbacks: tuple[bytes, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.action == SERVE:
+            if self.peer is not None or self.fallbacks:
+                raise RoutingError("a serve decision names no peer and no fallbacks")
+        elif self.action == FORWARD:
+            if self.peer is None:
+                raise RoutingError("a forward decision must name a peer")
+            if self.peer in self.fallbacks:
+                raise RoutingError("the chosen peer cannot also be a fallback")
+        else:
+            raise RoutingError(f"decision action must be {SERVE!r} or {FORWARD!r}")
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def decide(self, ctx: RouteContext) -> Decision: ...
+
+
+# ---------------------------------------------------------------------------- cost model
+
+
+def peer_label(peer: bytes) -> str:
+    """A short, readable name for a peer in reasons (the id's last 4 bytes in hex).
+
+    The tail is used because libp2p Ed25519 peer ids share their first 6 bytes.
+    """
+    return peer[-4:].hex() if peer else "self"
+
+
+def local_cost_s(ctx: RouteContext) -> float:
+    """Estimated seconds until this node finishes prefilling the request."""
+    uncached = ctx.prompt_tokens - ctx.local_matched_tokens
+    return uncached / ctx.local_prefill_tps + ctx.local_queue_wait_s
+
+
+def candidate_cost_s(ctx: RouteContext, c: Candidate, *, use_trust: bool = True) -> float:
+    """Estimated seconds until peer ``c`` finishes prefilling the request, hop included.
+
+    With ``use_trust`` the claimed match is discounted to ``matched * trust``.
+    """
+    matched = min(c.matched_tokens, ctx.prompt_tokens)
+    if use_trust:
+        matched = matched * c.trust
+    tps = c.prefill_tps if c.prefill_tps > 0 else ctx.local_prefill_tps
+    return (ctx.prompt_tokens - matched) / tps + c.queue_wait_s + c.rtt_s
+
+
+def load_bound(ctx: RouteContext, epsilon: float) -> float:
+    """The highest load an eligible ``prefixmesh`` candidate may carry.
+
+    Bounded loads in the form of Mirrokni, Thorup and Zadimoghaddam: over the ``n``
+    nodes in view (this node and every candidate), the mean load *counting the request
+    being placed* is ``m = (sum of loads + 1) / n``; a node may take the request only
+    if it then stays within ``ceil((1 + epsilon) * m)`` whole requests, i.e. its load
+    is at most that minus one. Counting the request and rounding up keep the rule
+    from refusing every busy peer in a mostly idle cluster (with loads 0 and 1 the
+    plain ``(1+eps) * mean`` bound would refuse a peer carrying a single request).
+    """
+    loads = [ctx.local_load] + [c.load for c in ctx.candidates]
+    mean_with_request = (sum(loads) + 1.0) / len(loads)
+    # The small tolerance keeps float noise (1.25 * 4.0 == 5.000000000001) from
+    # granting an extra whole request.
+    return math.ceil((1.0 + epsilon) * mean_with_request - 1e-9) - 1.0
+
+
+def _same_cost(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def _serve(reason: str, est_local_s: float) -> Decision:
+    return Decision(SERVE, None, reason, est_local_s, None, ())
+
+
+def _pool(ctx: RouteContext, self_id: bytes) -> list[bytes]:
+    peers: Iterable[bytes] = ctx.all_peers or (c.peer for c in ctx.candidates)
+    return sorted(set(peers) - {self_id})
+
+
+def _break_top_tie(
+    ranked: list[tuple[float, bytes]], rng: random.Random
+) -> list[tuple[float, bytes]]:
+    """``ranked`` sorted by (cost, peer): pick among exactly-tied best entries by rng."""
+    best = ranked[0][0]
+    n_tied = 1
+    while n_tied < len(ranked) and _same_cost(ranked[n_tied][0], best):
+        n_tied += 1
+    if n_tied == 1:
+        return ranked
+    pick = rng.randrange(n_tied)
+    return [ranked[pick]] + ranked[:pick] + ranked[pick + 1 :]
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+class PrefixMeshPolicy:
+    """Cost model with margin, bounded load and trust (see the module docstring)."""
+
+    name = "prefixmesh"
+
+    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
+        self.config = config
+        self.rng = rng
+        self.self_id = self_id
+
+    def decide(self, ctx: RouteContext) -> Decision:
+        cfg = self.config
+        local = local_cost_s(ctx)
+        if ctx.hop_budget <= 0:
+            return _serve(f"{self.name}: serve, hop budget exhausted", local)
+        bound = load_bound(ctx, cfg.load_epsilon)
+        n_visited = n_untrusted = n_overloaded = 0
+        scored: list[tuple[float, bytes]] = []
+        by_peer: dict[bytes, Candidate] = {}
+        for c in ctx.candidates:
+            if c.peer == self.self_id or c.peer in ctx.visited:
+                n_visited += 1
+            elif c.trust < cfg.trust_floor:
+                n_untrusted += 1
+            elif c.load > bound:
+                n_overloaded += 1
+            else:
+                scored.append((candidate_cost_s(ctx, c), c.peer))
+                by_peer[c.peer] = c
+        required = cfg.margin_s + cfg.margin_frac * local
+        skipped = (
+            f"{len(ctx.candidates)} candidates: {n_visited} visited, "
+            f"{n_untrusted} under trust floor {cfg.trust_floor:g}, "
+            f"{n_overloaded} over load bound {bound:g}"
+        )
+        paying = sorted((cost, p) for cost, p in scored if local - cost > required)
+        if not paying:
+            if scored:
+                best_cost, best_peer = min(scored)
+                best = (
+                    f"best {peer_label(best_peer)} est {best_cost:.3f}s saves "
+                    f"{local - best_cost:.3f}s < required {required:.3f}s"
+                )
+            else:
+                best = "no eligible candidate"
+            return _serve(
+                f"{self.name}: serve, local est {local:.3f}s; {best}; {skipped}", local
+            )
+        ranked = _break_top_tie(paying, self.rng)
+        cost, peer = ranked[0]
+        c = by_peer[peer]
+        fallbacks = tuple(p for _, p in ranked[1 : 1 + cfg.max_fallbacks])
+        reason = (
+            f"{self.name}: forward to {peer_label(peer)}, est {cost:.3f}s vs local "
+            f"{local:.3f}s (saves {local - cost:.3f}s > required {required:.3f}s; "
+            f"match {c.matched_tokens} tok x trust {c.trust:g} vs local "
+            f"{ctx.local_matched_tokens} of {ctx.prompt_tokens}; queue {c.queue_wait_s:.3f}s, "
+            f"rtt {c.rtt_s:.3f}s, load {c.load:g}); {skipped}; "
+            f"{len(fallbacks)} fallbacks"
+        )
+        return Decision(FORWARD, peer, reason, local, cost, fallbacks)
+
+
+class PaperPolicy:
+    """arXiv:2606.17059: the longest estimated match wins; ties go to local."""
+
+    name = "paper"
+
+    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
+        self.config = config
+        self.rng = rng
+        self.self_id = self_id
+
+    def decide(self, ctx: RouteContext) -> Decision:
+        local = local_cost_s(ctx)
+        if ctx.hop_budget <= 0:
+            return _serve(f"{self.name}: serve, hop budget exhausted", local)
+        longer = [
+            (-min(c.matched_tokens, ctx.prompt_tokens), c.peer)
+            for c in ctx.candidates
+            if c.peer != self.self_id
+            and c.peer not in ctx.visited
+            and min(c.matched_tokens, ctx.prompt_tokens) > ctx.local_matched_tokens
+        ]
+        if not longer:
+            return _serve(
+                f"{self.name}: serve, no unvisited peer matches more than local "
+                f"{ctx.local_matched_tokens} tok",
+                local,
+            )
+        ranked = _break_top_tie(sorted(longer), self.rng)
+        neg_matched, peer = ranked[0]
+        c = next(c for c in ctx.candidates if c.peer == peer)
+        fallbacks = tuple(p for _, p in ranked[1 : 1 + self.config.max_fallbacks])
+        return Decision(
+            FORWARD,
+            peer,
+            f"{self.name}: forward to {peer_label(peer)}, longest match {-neg_matched} tok "
+            f"vs local {ctx.local_matched_tokens} of {ctx.prompt_tokens}",
+            local,
+            candidate_cost_s(ctx, c, use_trust=False),
+            fallbacks,
+        )
+
+
+class OraclePolicy:
+    """Exact information, minimum cost, no margin/trust/bound: the simulator's upper reference."""
+
+    name = "oracle"
+
+    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
+        self.config = config
+        self.rng = rng
+        self.self_id = self_id
+
+    def decide(self, ctx: RouteContext) -> Decision:
+        local = local_cost_s(ctx)
+        if ctx.hop_budget <= 0:
+            return _serve(f"{self.name}: serve, hop budget exhausted", local)
+        cheaper = sorted(
+            (cost, c.peer)
+            for c in ctx.candidates
+            if c.peer != self.self_id and c.peer not in ctx.visited
+            for cost in (candidate_cost_s(ctx, c, use_trust=False),)
+            if cost < local and not _same_cost(cost, local)  # ties go to local
+        )
+        if not cheaper:
+            return _serve(f"{self.name}: serve, local est {local:.3f}s is the minimum", local)
+        ranked = _break_top_tie(cheaper, self.rng)
+        cost, peer = ranked[0]
+        fallbacks = tuple(p for _, p in ranked[1 : 1 + self.config.max_fallbacks])
+        return Decision(
+            FORWARD,
+            peer,
+            f"{self.name}: forward to {peer_label(peer)}, est {cost:.3f}s vs local {local:.3f}s",
+            local,
+            cost,
+            fallbacks,
+        )
+
+
+class LocalPolicy:
+    name = "local"
+
+    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
+        self.self_id = self_id
+
+    def decide(self, ctx: RouteContext) -> Decision:
+        return _serve(f"{self.name}: always serve", local_cost_s(ctx))
+
+
+class _PickOnePolicy:
+    """Shared shape of the baselines that pick a target without looking at costs."""
+
+    name = ""
+
+    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
+        self.config = config
+        self.rng = rng
+        self.self_id = self_id
+
+    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
+        """(target, fallbacks-in-order before checking visited / hop budget)."""
+        raise NotImplementedError
+
+    def decide(self, ctx: RouteContext) -> Decision:
+        local = local_cost_s(ctx)
+        target, further = self._ranked_targets(ctx)
+        if target == self.self_id:
+            return _serve(f"{self.name}: serve, picked self", local)
+        label = peer_label(target)
+        if ctx.hop_budget <= 0:
+            return _serve(f"{self.name}: serve, picked {label} but hop budget exhausted", local)
+        if target in ctx.visited:
+            return _serve(f"{self.name}: serve, picked {label} but it was visited", local)
+        fallbacks = tuple(
+            p for p in further if p != self.self_id and p not in ctx.visited and p != target
+        )[: self.config.max_fallbacks]
+        c = next((c for c in ctx.candidates if c.peer == target), None)
+        est_peer = candidate_cost_s(ctx, c, use_trust=False) if c is not None else None
+        return Decision(
+            FORWARD, target, f"{self.name}: forward to {label}", local, est_peer, fallbacks
+        )
+
+
+class RoundRobinPolicy(_PickOnePolicy):
+    name = "round-robin"
+
+    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
+        super().__init__(config, rng, self_id)
+        self.counter = 0
+
+    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
+        ring = [self.self_id, *_pool(ctx, self.self_id)]
+        target = ring[self.counter % len(ring)]
+        self.counter += 1
+        return target, []
+
+
+class RandomPolicy(_PickOnePolicy):
+    name = "random"
+
+    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
+        ring = [self.self_id, *_pool(ctx, self.self_id)]
+        return ring[self.rng.randrange(len(ring))], []
+
+
+def rendezvous_score(key: bytes, node: bytes) -> int:
+    """Highest-random-weight score of ``node`` for ``key`` (stable across processes)."""
+    digest = hashlib.blake2b(
+        len(key).to_bytes(2, "little") + key + node, digest_size=8
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+class ConsistentHashPolicy(_PickOnePolicy):
+    name = "consistent-hash"
+
+    def decide(self, ctx: RouteContext) -> Decision:
+        if ctx.first_block is None:
+            return _serve(f"{self.name}: serve, request has no whole block", local_cost_s(ctx))
+        return super().decide(ctx)
+
+    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
+        assert ctx.first_block is not None
+        key = ctx.first_block
+        ring = [self.self_id, *_pool(ctx, self.self_id)]
+        ranked = sorted(ring, key=lambda n: (-rendezvous_score(key, n), n))
+        target = ranked[0]
+        # Fallbacks: the next nodes in rendezvous order, up to (not past) this node,
+        # which would serve the request itself.
+        rest = ranked[1:]
+        if self.self_id in rest:
+            rest = rest[: rest.index(self.self_id)]
+        return target, rest
+
+
+_POLICIES: dict[str, type] = {
+    "prefixmesh": PrefixMeshPolicy,
+    "paper": PaperPolicy,
+    "round-robin": RoundRobinPolicy,
+    "random": RandomPolicy,
+    "local": LocalPolicy,
+    "consistent-hash": ConsistentHashPolicy,
+    "oracle": OraclePolicy,
+}
+
+
+def make_policy(
+    name: str,
+    config: RoutingConfig | None = None,
+    rng: random.Random | None = None,
+    self_id: bytes = b"",
+) -> Policy:
+    """A fresh policy instance named ``name`` (one of ``POLICY_NAMES``).
+
+    ``rng`` defaults to ``random.Random(0)`` so that a policy is deterministic even
+    when the caller forgets to seed it; give each node its own seeded instance.
+    """
+    try:
+        cls = _POLICIES[name]
+    except KeyError:
+        raise UnknownPolicy(
+            f"unknown routing policy {name!r}; known: {', '.join(POLICY_NAMES)}"
+        ) from None
+    return cls(config or RoutingConfig(), rng if rng is not None else random.Random(0), self_id)

@@ -1,0 +1,420 @@
+"""Tests of overlay/routing.py: each policy's rule, and invariants shared by all of them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixmesh.overlay.routing import (
+    FORWARD,
+    POLICY_NAMES,
+    SERVE,
+    Candidate,
+    Decision,
+    InvalidRouteContext,
+    InvalidRoutingConfig,
+    Policy,
+    RouteContext,
+    RoutingConfig,
+    RoutingError,
+    UnknownPolicy,
+    candidate_cost_s,
+    load_bound,
+    local_cost_s,
+    make_policy,
+)
+
+SELF = b"self-node"
+A, B, C, D = b"peer-A", b"peer-B", b"peer-C", b"peer-D"
+
+
+def cand(peer: bytes, matched: int = 0, *, tps: float = 400.0, wait: float = 0.0,
+         load: float = 0.0, rtt: float = 0.01, trust: float = 1.0) -> Candidate:
+    return Candidate(peer, matched, tps, wait, load, rtt, trust)
+
+
+def ctx(*candidates: Candidate, prompt: int = 2000, local_matched: int = 0,
+        local_tps: float = 400.0, local_wait: float = 0.0, local_load: float = 0.0,
+        hop_budget: int = 2, visited: frozenset[bytes] = frozenset(),
+        first_block: bytes | None = b"\x01" * 8, all_peers: tuple[bytes, ...] = ()
+        ) -> RouteContext:
+    return RouteContext(prompt, local_matched, local_tps, local_wait, local_load,
+                        tuple(candidates), hop_budget, visited, first_block, all_peers)
+
+
+def policy(name: str, seed: int = 0, **cfg: object) -> Policy:
+    return make_policy(name, RoutingConfig(**cfg), random.Random(seed), SELF)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"load_epsilon": -0.1}, {"margin_s": -1.0}, {"margin_frac": 1.0}, {"margin_frac": float("nan")},
+    {"trust_floor": 1.5}, {"max_fallbacks": -1}, {"max_fallbacks": 1.5},
+])
+def test_config_rejects_out_of_range(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidRoutingConfig):
+        RoutingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_config_defaults_are_documented_values() -> None:
+    cfg = RoutingConfig()
+    assert (cfg.load_epsilon, cfg.margin_s, cfg.margin_frac, cfg.trust_floor) == (
+        0.25, 0.05, 0.10, 0.2)
+
+
+def test_context_rejects_impossible_values() -> None:
+    with pytest.raises(InvalidRouteContext, match="local_matched_tokens"):
+        ctx(prompt=10, local_matched=11)
+    with pytest.raises(InvalidRouteContext, match="local_prefill_tps"):
+        ctx(local_tps=0.0)
+    with pytest.raises(InvalidRouteContext, match="listed twice"):
+        ctx(cand(A), cand(A))
+    with pytest.raises(InvalidRouteContext, match="trust"):
+        cand(A, trust=1.2)
+    with pytest.raises(InvalidRouteContext, match="rtt_s"):
+        cand(A, rtt=float("inf"))
+    with pytest.raises(InvalidRouteContext, match="matched_tokens"):
+        cand(A, -1)
+
+
+def test_context_freezes_collections() -> None:
+    c = RouteContext(10, 0, 1.0, 0.0, 0.0, [cand(A)], 1, {B}, None, [A, B])  # type: ignore[arg-type]
+    assert c.candidates == (cand(A),) and c.visited == frozenset({B}) and c.all_peers == (A, B)
+
+
+def test_unknown_policy_is_a_typed_error() -> None:
+    with pytest.raises(UnknownPolicy, match="no-such"):
+        make_policy("no-such")
+    assert issubclass(UnknownPolicy, RoutingError)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_name_makes_a_policy(name: str) -> None:
+    p = make_policy(name)
+    assert isinstance(p, Policy) and p.name == name
+    d = p.decide(ctx(cand(A, 1000)))
+    assert d.action in (SERVE, FORWARD) and d.reason.startswith(name)
+
+
+def test_decision_checks_its_own_shape() -> None:
+    with pytest.raises(RoutingError):
+        Decision(FORWARD, None, "", 1.0, None, ())
+    with pytest.raises(RoutingError):
+        Decision(SERVE, A, "", 1.0, None, ())
+    with pytest.raises(RoutingError):
+        Decision(FORWARD, A, "", 1.0, 0.5, (A,))
+
+
+# ----------------------------------------------------------------------- cost model
+
+
+def test_cost_model_formulas() -> None:
+    c = ctx(cand(A, 1200, tps=500.0, wait=0.2, rtt=0.03, trust=0.5),
+            local_matched=400, local_wait=1.0)
+    assert local_cost_s(c) == pytest.approx(1600 / 400 + 1.0)
+    assert candidate_cost_s(c, c.candidates[0]) == pytest.approx((2000 - 600) / 500 + 0.23)
+    assert candidate_cost_s(c, c.candidates[0], use_trust=False) == pytest.approx(800 / 500 + 0.23)
+
+
+def test_unknown_peer_prefill_rate_falls_back_to_local_rate() -> None:
+    c = ctx(cand(A, 0, tps=0.0, rtt=0.0), local_tps=250.0)
+    assert candidate_cost_s(c, c.candidates[0]) == pytest.approx(2000 / 250)
+
+
+def test_load_bound_counts_the_request_and_rounds_to_whole_requests() -> None:
+    # loads 1 (local), 1, 1, 1, 6: mean with the request = 11/5 = 2.2; 1.25 * 2.2 = 2.75
+    # -> ceil 3 requests after placement -> a candidate may carry at most 2 now.
+    c = ctx(cand(A, load=1), cand(B, load=1), cand(C, load=1), cand(D, load=6), local_load=1)
+    assert load_bound(c, 0.25) == 2
+    # Two idle nodes: the peer may carry 0 (and will carry the 1 request placed).
+    assert load_bound(ctx(cand(A)), 0.25) == 0
+    # Local idle, the peer carrying one request is still eligible.
+    assert load_bound(ctx(cand(A, load=1)), 0.25) == 1
+    # 1.25 * 4.0 is exactly 5: float noise must not grant a sixth request.
+    c4 = ctx(cand(A, load=3), cand(B, load=3), cand(C, load=3), local_load=6)
+    assert load_bound(c4, 0.25) == 4
+
+
+# ----------------------------------------------------------------------- prefixmesh
+
+
+def test_prefixmesh_forwards_when_match_saves_more_than_rtt_and_margin() -> None:
+    d = policy("prefixmesh").decide(ctx(cand(A, 1600, rtt=0.02), cand(B, 320, rtt=0.02)))
+    assert d.action == FORWARD and d.peer == A
+    assert d.est_local_s == pytest.approx(5.0)
+    assert d.est_peer_s == pytest.approx(400 / 400 + 0.02)
+    assert d.fallbacks == (B,)  # B also pays: saves 0.78 s
+    assert "forward to" in d.reason and "1600 tok" in d.reason
+
+
+def test_prefixmesh_serves_when_rtt_eats_the_saving() -> None:
+    # The match saves 64/400 = 0.16 s of prefill; a 500 ms link makes forwarding a loss.
+    d = policy("prefixmesh").decide(ctx(cand(A, 64, rtt=0.5), prompt=200))
+    assert d.action == SERVE and d.peer is None and d.fallbacks == ()
+    assert d.est_local_s == pytest.approx(0.5) and "saves" in d.reason
+
+
+def test_prefixmesh_margin_blocks_small_savings() -> None:
+    # saving = 32/400 - 0.01 = 0.07 s; required = 0.05 + 0.1 * 0.5 = 0.10 s.
+    p = policy("prefixmesh")
+    assert p.decide(ctx(cand(A, 32), prompt=200)).action == SERVE
+    # With no margin the same saving is worth a hop.
+    p0 = policy("prefixmesh", margin_s=0.0, margin_frac=0.0)
+    assert p0.decide(ctx(cand(A, 32), prompt=200)).action == FORWARD
+
+
+def test_prefixmesh_excludes_hot_node_that_paper_picks() -> None:
+    hot = cand(A, 1900, load=8, wait=0.0)  # longest match, but far above its share
+    warm = cand(B, 1500, load=1)
+    c = ctx(hot, warm, cand(C, 0, load=1), local_load=1)
+    assert load_bound(c, 0.25) < 8
+    d = policy("prefixmesh").decide(c)
+    assert d.action == FORWARD and d.peer == B and A not in d.fallbacks
+    assert "1 over load bound" in d.reason
+    assert policy("paper").decide(c).peer == A  # the reference rule has no load awareness
+
+
+def test_prefixmesh_sheds_load_to_idle_peer_without_cache_gain() -> None:
+    # Local queue wait dominates: an idle peer with no match wins on cost alone.
+    c = ctx(cand(A, 0, wait=0.0, load=0), local_wait=20.0, local_load=2)
+    d = policy("prefixmesh").decide(c)
+    assert d.action == FORWARD and d.peer == A
+    assert d.est_peer_s == pytest.approx(5.01)
+
+
+def test_prefixmesh_trust_discounts_and_floor_excludes() -> None:
+    # Trust 0.5 halves the claimed 1600-token match: A's cost 3.01 s vs B's honest 1000 -> 2.51 s.
+    c = ctx(cand(A, 1600, trust=0.5), cand(B, 1000))
+    assert policy("prefixmesh").decide(c).peer == B
+    # Under the floor the liar is not even a fallback.
+    c2 = ctx(cand(A, 2000, trust=0.1), cand(B, 1000))
+    d = policy("prefixmesh").decide(c2)
+    assert d.peer == B and d.fallbacks == () and "1 under trust floor" in d.reason
+
+
+def test_prefixmesh_respects_hop_budget_and_visited() -> None:
+    p = policy("prefixmesh")
+    d = p.decide(ctx(cand(A, 2000), hop_budget=0))
+    assert d.action == SERVE and "hop budget" in d.reason
+    d = p.decide(ctx(cand(A, 2000), cand(B, 1500), visited=frozenset({A})))
+    assert d.peer == B
+    d = p.decide(ctx(cand(A, 2000), cand(SELF, 2000), visited=frozenset({A})))
+    assert d.action == SERVE
+
+
+def test_prefixmesh_tie_break_is_seeded() -> None:
+    c = ctx(cand(A, 1600), cand(B, 1600), cand(C, 1600))
+    picks = {policy("prefixmesh", seed=s).decide(c).peer for s in range(40)}
+    assert picks == {A, B, C}
+    for s in range(5):
+        assert policy("prefixmesh", seed=s).decide(c) == policy("prefixmesh", seed=s).decide(c)
+
+
+def test_prefixmesh_max_fallbacks() -> None:
+    cands = [cand(bytes([65 + i]) * 4, 1800 - 10 * i) for i in range(6)]
+    d = policy("prefixmesh", max_fallbacks=2).decide(ctx(*cands))
+    assert d.peer == cands[0].peer and d.fallbacks == (cands[1].peer, cands[2].peer)
+
+
+# ----------------------------------------------------------------------- paper, oracle
+
+
+def test_paper_longest_match_wins_ties_to_local() -> None:
+    p = policy("paper")
+    assert p.decide(ctx(cand(A, 800), cand(B, 1200, rtt=5.0), local_matched=400)).peer == B
+    d = p.decide(ctx(cand(A, 400), local_matched=400))
+    assert d.action == SERVE
+    d = p.decide(ctx(cand(A, 800), cand(B, 1200), cand(C, 600), local_matched=700))
+    assert d.peer == B and d.fallbacks == (A,)
+    assert p.decide(ctx(cand(B, 1200), hop_budget=0)).action == SERVE
+
+
+def test_oracle_minimises_cost_without_margin_or_trust() -> None:
+    p = policy("oracle")
+    # Saves 0.07 s: prefixmesh's margin refuses, the oracle takes it.
+    assert p.decide(ctx(cand(A, 32), prompt=200)).peer == A
+    # Trust is ignored: the oracle's caller gives exact matches.
+    assert p.decide(ctx(cand(A, 1600, trust=0.1), cand(B, 1000))).peer == A
+    # Exact tie with local -> serve.
+    assert p.decide(ctx(cand(A, 4, rtt=0.01), prompt=200, local_tps=400.0)).action == SERVE
+    d = p.decide(ctx(cand(A, 1000, load=50, wait=0.1), cand(B, 900, wait=0.0), local_wait=3.0))
+    assert d.peer == A and d.fallbacks == (B,)
+
+
+# ----------------------------------------------------------------------- baselines
+
+
+def test_local_always_serves() -> None:
+    d = policy("local").decide(ctx(cand(A, 2000)))
+    assert d.action == SERVE and d.est_local_s == pytest.approx(5.0)
+
+
+def test_round_robin_cycles_self_then_sorted_pool() -> None:
+    p = policy("round-robin")
+    c = ctx(all_peers=(C, A, B))
+    got = [p.decide(c).peer for _ in range(8)]
+    assert got == [None, A, B, C, None, A, B, C]
+    # Without all_peers the candidates form the pool.
+    p2 = policy("round-robin")
+    assert [p2.decide(ctx(cand(B), cand(A))).peer for _ in range(3)] == [None, A, B]
+
+
+def test_round_robin_falls_back_to_local_for_visited_or_no_budget() -> None:
+    p = policy("round-robin")
+    p.decide(ctx(all_peers=(A,)))  # self's turn
+    d = p.decide(ctx(all_peers=(A,), visited=frozenset({A})))
+    assert d.action == SERVE and "visited" in d.reason
+    p.decide(ctx(all_peers=(A,)))
+    d = p.decide(ctx(all_peers=(A,), hop_budget=0))
+    assert d.action == SERVE and "hop budget" in d.reason
+
+
+def test_random_is_seeded_and_covers_the_ring() -> None:
+    c = ctx(all_peers=(A, B, C))
+    p1, p2 = policy("random", seed=7), policy("random", seed=7)
+    seq1 = [p1.decide(c).peer for _ in range(50)]
+    seq2 = [p2.decide(c).peer for _ in range(50)]
+    assert seq1 == seq2 and set(seq1) == {None, A, B, C}
+
+
+def test_consistent_hash_agrees_across_nodes_and_handles_no_block() -> None:
+    members = (SELF, A, B, C, D)
+    for i in range(30):
+        key = i.to_bytes(8, "little")
+        targets = set()
+        for me in members:
+            d = make_policy("consistent-hash", self_id=me).decide(
+                ctx(first_block=key, all_peers=members))
+            targets.add(me if d.action == SERVE else d.peer)
+        assert len(targets) == 1  # every member sends the key to the same owner
+    d = policy("consistent-hash").decide(ctx(first_block=None, all_peers=(A, B)))
+    assert d.action == SERVE and "no whole block" in d.reason
+
+
+def test_consistent_hash_fallbacks_stop_at_self_and_skip_visited() -> None:
+    from prefixmesh.overlay.routing import rendezvous_score
+
+    members = (A, B, C, D)
+    for i in range(50):
+        key = i.to_bytes(8, "little")
+        ranked = sorted((SELF, *members), key=lambda n: (-rendezvous_score(key, n), n))
+        d = policy("consistent-hash").decide(
+            ctx(first_block=key, all_peers=members, visited=frozenset({D})))
+        if ranked[0] == SELF or ranked[0] == D:
+            assert d.action == SERVE
+            continue
+        assert d.peer == ranked[0]
+        expected = [p for p in ranked[1:ranked.index(SELF)] if p != D][:3]
+        assert list(d.fallbacks) == expected
+
+
+# ----------------------------------------------------------------------- properties
+
+PEERS = [bytes([0x50, i]) for i in range(8)]
+
+
+@st.composite
+def contexts(draw: st.DrawFn) -> RouteContext:
+    prompt = draw(st.integers(0, 4000))
+    local_matched = draw(st.integers(0, prompt))
+    peers = draw(st.lists(st.sampled_from(PEERS + [SELF]), unique=True, max_size=7))
+    cands = tuple(
+        Candidate(
+            p,
+            draw(st.integers(0, prompt + 32)),
+            draw(st.sampled_from([0.0, 100.0, 400.0, 2000.0])),
+            draw(st.floats(0, 30)),
+            float(draw(st.integers(0, 12))),
+            draw(st.sampled_from([0.0, 0.001, 0.02, 0.1, 0.5])),
+            draw(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0])),
+        )
+        for p in peers
+    )
+    visited = frozenset(draw(st.lists(st.sampled_from(PEERS), max_size=4)))
+    all_peers = tuple(draw(st.lists(st.sampled_from(PEERS), unique=True, max_size=8)))
+    return RouteContext(
+        prompt, local_matched, draw(st.sampled_from([50.0, 400.0, 1000.0])),
+        draw(st.floats(0, 30)), float(draw(st.integers(0, 12))), cands,
+        draw(st.integers(-1, 3)), visited,
+        draw(st.one_of(st.none(), st.binary(min_size=8, max_size=8))), all_peers,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(POLICY_NAMES), seed=st.integers(0, 2**32),
+       ctxs=st.lists(contexts(), min_size=1, max_size=6))
+def test_every_policy_respects_visited_budget_and_is_deterministic(
+    name: str, seed: int, ctxs: list[RouteContext]
+) -> None:
+    p1, p2 = policy(name, seed), policy(name, seed)
+    for c in ctxs:
+        d = p1.decide(c)
+        assert d == p2.decide(c)  # same seed, same sequence -> same decisions
+        if d.action == SERVE:
+            assert d.peer is None and d.fallbacks == ()
+            continue
+        assert c.hop_budget > 0
+        assert d.peer not in c.visited and d.peer != SELF
+        assert len(set(d.fallbacks)) == len(d.fallbacks) <= RoutingConfig().max_fallbacks
+        for f in d.fallbacks:
+            assert f not in c.visited and f != d.peer and f != SELF
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=contexts(), seed=st.integers(0, 2**32))
+def test_prefixmesh_only_forwards_to_eligible_paying_candidates(c: RouteContext, seed: int) -> None:
+    cfg = RoutingConfig()
+    d = policy("prefixmesh", seed).decide(c)
+    local = local_cost_s(c)
+    assert d.est_local_s == pytest.approx(local)
+    bound = load_bound(c, cfg.load_epsilon)
+    required = cfg.margin_s + cfg.margin_frac * local
+    by_peer = {x.peer: x for x in c.candidates}
+    eligible = [
+        x for x in c.candidates
+        if x.peer not in c.visited and x.peer != SELF and x.trust >= cfg.trust_floor
+        and x.load <= bound
+    ]
+    paying = [x for x in eligible if local - candidate_cost_s(c, x) > required]
+    if d.action == SERVE:
+        assert c.hop_budget <= 0 or not paying
+        return
+    chosen = by_peer[d.peer]  # type: ignore[index]
+    assert chosen in paying
+    assert chosen.load <= bound  # never over the load bound
+    assert d.est_peer_s == pytest.approx(candidate_cost_s(c, chosen))
+    assert d.est_peer_s == pytest.approx(min(candidate_cost_s(c, x) for x in paying))
+    for f in d.fallbacks:
+        assert by_peer[f] in paying
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.integers(16, 4000), data=st.data(),
+       tps=st.sampled_from([100.0, 400.0, 1500.0]), rtt=st.floats(0, 1.0),
+       wait=st.floats(0, 5.0))
+def test_prefixmesh_forwards_iff_saving_beats_rtt_plus_margin(
+    prompt: int, data: st.DataObject, tps: float, rtt: float, wait: float
+) -> None:
+    local_matched = data.draw(st.integers(0, prompt))
+    peer_matched = data.draw(st.integers(0, prompt))
+    c = ctx(cand(A, peer_matched, tps=tps, wait=wait, rtt=rtt), prompt=prompt,
+            local_matched=local_matched, local_tps=tps, local_wait=wait)
+    cfg = RoutingConfig()
+    saving = (peer_matched - local_matched) / tps - rtt
+    required = cfg.margin_s + cfg.margin_frac * local_cost_s(c)
+    d = policy("prefixmesh").decide(c)
+    if saving > required + 1e-9:
+        assert d.action == FORWARD and d.peer == A
+    elif saving < required - 1e-9:
+        assert d.action == SERVE
+
+
+def test_prefixmesh_huge_rtt_never_forwards_small_saving() -> None:
+    for matched in range(0, 160, 16):  # saves at most 0.4 s of prefill
+        d = policy("prefixmesh").decide(ctx(cand(A, matched, rtt=0.5), prompt=200))
+        assert d.action == SERVE
