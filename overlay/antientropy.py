@@ -1,0 +1,869 @@
+"""Scuttlebutt-style anti-entropy over signed digest records (pure state machine).
+
+Each node is the *origin* of one record stream (see :mod:`.digest`): within an epoch
+(incarnation) every record has the next sequence number. A ``snapshot`` record resets
+what is known about the origin; each ``delta`` after it adds hashes and removes
+(tombstones) hashes. So the state of an origin is fully described by its latest
+snapshot plus the deltas after it, and that is exactly what every node holds, per
+origin, byte-identical and signed by the origin: relays never re-sign or re-encode.
+
+Summaries and what a peer lacks
+-------------------------------
+``summary()`` maps origin -> (epoch, last seq held). Given a peer's summary,
+:meth:`AntiEntropy.records_for` returns, per origin, the records the peer lacks:
+
+- peer has the same epoch and a seq at or after our snapshot: the deltas after it;
+- peer has an older epoch, nothing, a seq before our snapshot, or asked for a
+  snapshot (``want_snapshots``): our snapshot and every delta after it;
+- peer is newer (later epoch or seq): nothing.
+
+Within ``budget_bytes`` origins are served round-robin, one record per origin per pass,
+origins with the fewest bytes needed (then the freshest) first, so one origin's big
+snapshot cannot starve the others. An origin's records are sent in seq order and an
+origin is cut off at its first record that does not fit, so a receiver always gets a
+gap-free prefix. (A budget smaller than a single record sends nothing for that origin;
+hosts should use budgets of at least :data:`~.digest.MAX_RECORD_BYTES`.)
+
+Receiving
+---------
+:meth:`AntiEntropy.receive` verifies each record (signature, limits, clock skew), then:
+
+- byte-identical to a held record: ignored silently (counted as ``duplicates``);
+- other model fingerprint: :class:`WrongModel`;
+- same (epoch, seq) as a held record, different bytes: :class:`~.digest.ReplayedRecord`
+  (the origin signed two records for one seq: equivocation);
+- lower epoch, or a seq older than the held snapshot:
+  :class:`~.digest.SequenceRegression` (this also happens in normal operation when a
+  stale relay races a fresh one; do not punish the sender for it);
+- a delta whose seq is not last+1, a delta of an unknown origin, or a delta of a new
+  epoch: a *gap*; it is not applied and the origin is reported in ``need_snapshot``
+  (the next exchange's summary fetches what is missing; hosts may also list such
+  origins as snapshot requests);
+- a snapshot newer than what is held replaces the origin's log.
+
+Expiry: a record whose ``expires_at`` has passed is accepted only when a fresher record
+of the same origin arrives in the same batch (an origin's snapshot may be old while its
+latest refresh keeps it alive). :meth:`AntiEntropy.expire` drops remote origins whose
+newest record has expired.
+
+The local node
+--------------
+The local cache is refcounted per (namespace, block hash): several prefixes share their
+leading blocks, and a hash stays advertised while any prefix holding it remains.
+:meth:`AntiEntropy.tick` turns the changes since the last record into deltas (removals
+become tombstones), issues a refresh (an empty delta carrying load figures) every
+``refresh_interval`` so peers do not expire the node, and compacts into a new snapshot
+when the deltas since the snapshot outweigh it in bytes (or number half of
+:data:`MAX_DELTAS_PER_ORIGIN`), which garbage-collects old deltas and tombstones
+everywhere. A snapshot larger than one record's limits is a *snapshot chain*: one
+``snapshot`` record followed by ``delta`` records adding the rest (consecutive seqs).
+At most :data:`MAX_ADVERTISED_HASHES` hashes are advertised; hashes beyond that are
+tracked but unadvertised until space frees and the next snapshot (an honest
+under-statement: a peer index then sees a shorter match, never a false one).
+
+If a peer hands us a record of our own origin newer than anything we issued (our epoch
+counter went backwards, e.g. a restart reusing an epoch), we move to a later epoch and
+issue a fresh snapshot.
+
+Exchange protocol (3 messages, push-pull)
+-----------------------------------------
+All messages are canonical CBOR arrays whose first element is the message type:
+
+1. A -> B ``[1, summary]``                              (:func:`encode_summary`)
+2. B -> A ``[2, records, summary, want_snapshots]``     (:func:`encode_reply`): the
+   records A lacks, B's summary, and origins B wants full snapshots of
+3. A -> B ``[3, records]``                              (:func:`encode_records`): the
+   records B lacks
+
+``summary`` is an array of ``[origin, epoch, seq]``; ``records`` an array of the raw
+record byte strings; ``want_snapshots`` an array of origins. Decoders are bounded like
+record decoding (size first, strict CBOR scan) and raise :class:`MalformedMessage` /
+:class:`OversizeMessage`.
+
+Limits (module constants)
+-------------------------
+- :data:`MAX_ORIGINS` = 1024 remote origins held; records of further new origins are
+  refused (:class:`OriginTableFull`) until some expire.
+- :data:`MAX_DELTAS_PER_ORIGIN` = 256 and :data:`MAX_ORIGIN_BYTES` = 2 MiB held per
+  origin (snapshot + deltas); a delta beyond that is refused (:class:`TooManyDeltas`)
+  until the origin compacts. Our own compaction keeps us well inside both.
+- Worst case held: MAX_ORIGINS x MAX_ORIGIN_BYTES = 2 GiB, only reachable by 1024
+  hostile identities each publishing maximal chains; honest nodes with 1,000 cached
+  prefixes hold a few tens of KiB each (see bench/micro_core_digest.py).
+- :data:`MAX_ADVERTISED_HASHES` = 65,536 local hashes (a 16-record snapshot chain).
+- :data:`MAX_MESSAGE_BYTES` = 8 MiB, :data:`MAX_RECORDS_PER_MESSAGE` = 4096,
+  :data:`MAX_SUMMARY_ENTRIES` = 4096, :data:`MAX_SNAPSHOT_REQUESTS` = 4096, and
+  :data:`MAX_MESSAGE_ITEMS` CBOR items in all (bounds the scan cost of hostile input).
+
+Pure code: time and randomness come in as arguments; no trio, libp2p or llama imports.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import cbor2
+
+from .digest import (
+    HASH_BYTES,
+    KIND_DELTA,
+    KIND_SNAPSHOT,
+    MAX_HASHES_PER_RECORD,
+    MAX_NAMESPACES_PER_RECORD,
+    MAX_TTL_S,
+    MAX_UINT,
+    NAMESPACE_ID_BYTES,
+    DigestError,
+    DigestRecord,
+    ExpiredRecord,
+    LoadFigures,
+    NamespaceDelta,
+    ReplayedRecord,
+    SequenceRegression,
+    SignedRecord,
+    decode_record,
+    loads_bounded,
+    sign_record,
+)
+from .identity import PEER_ID_BYTES, Identity
+
+__all__ = [
+    "MAX_ORIGINS",
+    "MAX_DELTAS_PER_ORIGIN",
+    "MAX_ORIGIN_BYTES",
+    "MAX_ADVERTISED_HASHES",
+    "MAX_MESSAGE_BYTES",
+    "MAX_RECORDS_PER_MESSAGE",
+    "MAX_SUMMARY_ENTRIES",
+    "MAX_SNAPSHOT_REQUESTS",
+    "MAX_MESSAGE_ITEMS",
+    "MSG_SUMMARY",
+    "MSG_REPLY",
+    "MSG_RECORDS",
+    "AntiEntropy",
+    "ReceiveResult",
+    "ExchangeReply",
+    "Summary",
+    "AntiEntropyError",
+    "WrongModel",
+    "OriginTableFull",
+    "TooManyDeltas",
+    "MalformedMessage",
+    "OversizeMessage",
+    "encode_summary",
+    "decode_summary",
+    "encode_reply",
+    "decode_reply",
+    "encode_records",
+    "decode_records",
+]
+
+MAX_ORIGINS = 1024
+MAX_DELTAS_PER_ORIGIN = 256
+MAX_ORIGIN_BYTES = 2 * 1024 * 1024
+MAX_ADVERTISED_HASHES = 65536
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_RECORDS_PER_MESSAGE = 4096
+MAX_SUMMARY_ENTRIES = 4096
+MAX_SNAPSHOT_REQUESTS = 4096
+# type + records + summary entries (4 items each) + snapshot requests, with room to spare
+MAX_MESSAGE_ITEMS = 8 + MAX_RECORDS_PER_MESSAGE + 4 * MAX_SUMMARY_ENTRIES + MAX_SNAPSHOT_REQUESTS
+
+MSG_SUMMARY = 1
+MSG_REPLY = 2
+MSG_RECORDS = 3
+
+Summary = dict[bytes, tuple[int, int]]
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+class AntiEntropyError(DigestError):
+    """Base class of the errors this module adds to the digest errors."""
+
+
+class WrongModel(AntiEntropyError):
+    """A record for a different model fingerprint than ours."""
+
+
+class OriginTableFull(AntiEntropyError):
+    """A record of a new origin while :data:`MAX_ORIGINS` origins are held."""
+
+
+class TooManyDeltas(AntiEntropyError):
+    """A delta beyond :data:`MAX_DELTAS_PER_ORIGIN` / :data:`MAX_ORIGIN_BYTES` for its origin."""
+
+
+class MalformedMessage(AntiEntropyError):
+    """An exchange message that does not parse or has the wrong structure."""
+
+
+class OversizeMessage(AntiEntropyError):
+    """An exchange message beyond a documented limit."""
+
+
+# --- state ------------------------------------------------------------------------------
+
+
+@dataclass
+class ReceiveResult:
+    applied: list[DigestRecord] = field(default_factory=list)  # in apply order
+    rejected: list[DigestError] = field(default_factory=list)
+    need_snapshot: set[bytes] = field(default_factory=set)
+    duplicates: int = 0
+
+
+class _OriginLog:
+    """One origin's latest snapshot and the deltas after it (consecutive seqs)."""
+
+    __slots__ = ("epoch", "records", "n_bytes", "expires_at")
+
+    def __init__(self, snapshot: SignedRecord):
+        self.epoch = snapshot.record.epoch
+        self.records: list[SignedRecord] = [snapshot]
+        self.n_bytes = len(snapshot.raw)
+        self.expires_at = snapshot.record.expires_at
+
+    @property
+    def first_seq(self) -> int:
+        return self.records[0].record.seq
+
+    @property
+    def last_seq(self) -> int:
+        return self.records[-1].record.seq
+
+    def get(self, seq: int) -> SignedRecord | None:
+        i = seq - self.first_seq
+        return self.records[i] if 0 <= i < len(self.records) else None
+
+    def append(self, signed: SignedRecord) -> None:
+        self.records.append(signed)
+        self.n_bytes += len(signed.raw)
+        self.expires_at = max(self.expires_at, signed.record.expires_at)
+
+    def after(self, seq: int) -> list[SignedRecord]:
+        """Held records with a seq greater than ``seq``."""
+        start = max(0, seq + 1 - self.first_seq)
+        return self.records[start:]
+
+
+def _new_stats() -> dict:
+    return {
+        "records_sent": 0,
+        "bytes_sent": 0,
+        "records_received": 0,
+        "bytes_received": 0,
+        "records_applied": 0,
+        "duplicates": 0,
+        "gaps": 0,
+        "rejected": Counter(),  # error class name -> count
+        "records_issued": 0,
+        "bytes_issued": 0,
+        "snapshots_issued": 0,
+        "refreshes_issued": 0,
+        "origins_expired": 0,
+        "own_epoch_bumps": 0,
+        "unadvertised_hashes": 0,
+    }
+
+
+def _check_ns(ns: bytes) -> bytes:
+    if not isinstance(ns, bytes | bytearray) or len(ns) != NAMESPACE_ID_BYTES:
+        raise ValueError(f"a namespace id is {NAMESPACE_ID_BYTES} bytes")
+    return bytes(ns)
+
+
+def _check_chain(chain: Sequence[bytes]) -> list[bytes]:
+    out = []
+    for h in chain:
+        if not isinstance(h, bytes | bytearray) or len(h) != HASH_BYTES:
+            raise ValueError(f"block hashes are {HASH_BYTES} bytes")
+        out.append(bytes(h))
+    return out
+
+
+class AntiEntropy:
+    """The anti-entropy state of one node: its own record stream and everyone else's."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        model_fp: bytes,
+        *,
+        epoch: int,
+        now: float,
+        ttl: float = 60.0,
+        refresh_interval: float = 20.0,
+        addrs: Sequence[str] = (),
+        max_clock_skew: float = 30.0,
+    ):
+        if not 0 < ttl <= MAX_TTL_S:
+            raise ValueError(f"ttl must be in (0, {MAX_TTL_S}]")
+        if not 0 < refresh_interval < ttl:
+            raise ValueError("refresh_interval must be positive and shorter than ttl")
+        if not 0 <= epoch <= MAX_UINT:
+            raise ValueError("epoch out of range")
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.model_fp = bytes(model_fp)
+        self.ttl = float(ttl)
+        self.refresh_interval = float(refresh_interval)
+        self.max_clock_skew = float(max_clock_skew)
+        self.addrs = tuple(addrs)
+        self.epoch = epoch
+        self.stats = _new_stats()
+        self._load = LoadFigures()
+        self._kv_capacity = 0
+        self._kv_used = 0
+        # local cache: refcounts, what is advertised, what changed since the last record
+        self._refs: dict[bytes, dict[bytes, int]] = {}
+        self._advertised: dict[bytes, set[bytes]] = {}
+        self._n_advertised = 0
+        self._overflow: dict[bytes, dict[bytes, None]] = {}  # present but unadvertised
+        self._pending_add: dict[bytes, set[bytes]] = {}
+        self._pending_remove: dict[bytes, set[bytes]] = {}
+        # record streams: own and remote
+        self._logs: dict[bytes, _OriginLog] = {}
+        self._held_raws: set[bytes] = set()
+        self._next_seq = 0
+        self._base_bytes = 0  # bytes of our latest snapshot chain
+        self._last_issued_at = now
+        self._force_snapshot = True
+        self.tick(now)
+
+    # --- local cache -------------------------------------------------------------------
+
+    def local_add_prefix(self, ns: bytes, chain: Sequence[bytes]) -> None:
+        """Count one more cached prefix whose block hashes are ``chain``."""
+        ns = _check_ns(ns)
+        hashes = _check_chain(chain)
+        refs = self._refs.setdefault(ns, {})
+        for h in hashes:
+            count = refs.get(h, 0)
+            refs[h] = count + 1
+            if count == 0:
+                self._became_present(ns, h)
+
+    def local_remove_prefix(self, ns: bytes, chain: Sequence[bytes]) -> None:
+        """Count one cached prefix fewer. Raises ``ValueError`` (changing nothing) if
+        ``chain`` holds a hash that is not counted (more removes than adds)."""
+        ns = _check_ns(ns)
+        hashes = _check_chain(chain)
+        refs = self._refs.get(ns, {})
+        for h, n in Counter(hashes).items():
+            if refs.get(h, 0) < n:
+                raise ValueError(f"removing block hash {h.hex()} that is not held")
+        for h in hashes:
+            count = refs[h] - 1
+            if count:
+                refs[h] = count
+            else:
+                del refs[h]
+                self._became_absent(ns, h)
+        if not refs:
+            self._refs.pop(ns, None)
+
+    def _became_present(self, ns: bytes, h: bytes) -> None:
+        if self._n_advertised >= MAX_ADVERTISED_HASHES:
+            self._overflow.setdefault(ns, {})[h] = None
+            self.stats["unadvertised_hashes"] += 1
+            return
+        self._advertised.setdefault(ns, set()).add(h)
+        self._n_advertised += 1
+        removed = self._pending_remove.get(ns)
+        if removed and h in removed:
+            removed.discard(h)  # removed then re-added before any record: no change
+        else:
+            self._pending_add.setdefault(ns, set()).add(h)
+
+    def _became_absent(self, ns: bytes, h: bytes) -> None:
+        overflow = self._overflow.get(ns)
+        if overflow and h in overflow:
+            del overflow[h]
+            if not overflow:
+                del self._overflow[ns]
+            return
+        advertised = self._advertised[ns]
+        advertised.discard(h)
+        if not advertised:
+            del self._advertised[ns]
+        self._n_advertised -= 1
+        added = self._pending_add.get(ns)
+        if added and h in added:
+            added.discard(h)
+        else:
+            self._pending_remove.setdefault(ns, set()).add(h)
+
+    def local_hashes(self) -> dict[bytes, frozenset[bytes]]:
+        """What the local node currently advertises, per namespace."""
+        return {ns: frozenset(hs) for ns, hs in self._advertised.items()}
+
+    def set_local_load(self, load: LoadFigures, kv_capacity_bytes: int, kv_used_bytes: int) -> None:
+        """Load figures for the next record (delta, refresh or snapshot)."""
+        self._load = load
+        self._kv_capacity = kv_capacity_bytes
+        self._kv_used = kv_used_bytes
+
+    def set_local_addrs(self, addrs: Sequence[str]) -> None:
+        """Listen addrs for the next record."""
+        self.addrs = tuple(addrs)
+
+    # --- issuing own records -----------------------------------------------------------
+
+    def _has_pending(self) -> bool:
+        return any(self._pending_add.values()) or any(self._pending_remove.values())
+
+    def tick(self, now: float) -> list[SignedRecord]:
+        """Issue our own records that are due at ``now``; returns them (oldest first).
+
+        Due: a snapshot (chain) at start, after an epoch bump, or when compaction is due;
+        otherwise deltas for pending changes; otherwise a refresh every
+        ``refresh_interval``.
+        """
+        if self._force_snapshot:
+            return self._issue_snapshot(now)
+        pending = self._has_pending()
+        if not pending and now - self._last_issued_at < self.refresh_interval:
+            return []
+        own = self._logs[self.peer_id]
+        tail_bytes = own.n_bytes - self._base_bytes
+        n_deltas = len(own.records) - 1
+        estimate = self._estimate_delta_bytes()
+        if (
+            tail_bytes + estimate > self._base_bytes
+            or n_deltas + 1 > MAX_DELTAS_PER_ORIGIN // 2
+            or own.n_bytes + estimate > MAX_ORIGIN_BYTES // 2
+        ):
+            return self._issue_snapshot(now)
+        if not pending:
+            self.stats["refreshes_issued"] += 1
+            return [self._issue(now, KIND_DELTA, ())]
+        groups = [
+            (ns, sorted(self._pending_add.get(ns, ())), sorted(self._pending_remove.get(ns, ())))
+            for ns in sorted(set(self._pending_add) | set(self._pending_remove))
+        ]
+        self._pending_add.clear()
+        self._pending_remove.clear()
+        return [self._issue(now, KIND_DELTA, chunk) for chunk in self._chunk(groups)]
+
+    def _estimate_delta_bytes(self) -> int:
+        n = sum(len(s) for s in self._pending_add.values())
+        n += sum(len(s) for s in self._pending_remove.values())
+        n_ns = len(set(self._pending_add) | set(self._pending_remove))
+        return 250 + sum(len(a) for a in self.addrs) + HASH_BYTES * n + 12 * n_ns
+
+    def _issue_snapshot(self, now: float) -> list[SignedRecord]:
+        # space may have freed since hashes overflowed: advertise them now
+        for ns in list(self._overflow):
+            overflow = self._overflow[ns]
+            while overflow and self._n_advertised < MAX_ADVERTISED_HASHES:
+                h = next(iter(overflow))
+                del overflow[h]
+                self._advertised.setdefault(ns, set()).add(h)
+                self._n_advertised += 1
+            if not overflow:
+                del self._overflow[ns]
+        self._pending_add.clear()
+        self._pending_remove.clear()
+        if self._force_snapshot:
+            self._force_snapshot = False
+        groups = [(ns, sorted(hs), []) for ns, hs in sorted(self._advertised.items())]
+        chunks = list(self._chunk(groups)) or [()]
+        issued = [self._issue(now, KIND_SNAPSHOT, chunks[0])]
+        issued += [self._issue(now, KIND_DELTA, chunk) for chunk in chunks[1:]]
+        self._base_bytes = sum(len(s.raw) for s in issued)
+        self.stats["snapshots_issued"] += 1
+        return issued
+
+    @staticmethod
+    def _chunk(groups):
+        """Split (ns, added, removed) groups into record-sized tuples of NamespaceDelta."""
+        chunk: list[NamespaceDelta] = []
+        room = MAX_HASHES_PER_RECORD
+        for ns, added, removed in groups:
+            added, removed = list(added), list(removed)
+            while added or removed:
+                if room == 0 or len(chunk) == MAX_NAMESPACES_PER_RECORD:
+                    yield tuple(chunk)
+                    chunk, room = [], MAX_HASHES_PER_RECORD
+                take_a = added[:room]
+                del added[: len(take_a)]
+                take_r = removed[: room - len(take_a)]
+                del removed[: len(take_r)]
+                chunk.append(NamespaceDelta(ns, tuple(take_a), tuple(take_r)))
+                room -= len(take_a) + len(take_r)
+        if chunk:
+            yield tuple(chunk)
+
+    def _issue(self, now: float, kind: str, namespaces) -> SignedRecord:
+        record = DigestRecord(
+            origin=self.peer_id,
+            epoch=self.epoch,
+            seq=self._next_seq,
+            issued_at=float(now),
+            expires_at=float(now) + self.ttl,
+            model=self.model_fp,
+            kind=kind,
+            namespaces=tuple(namespaces),
+            load=self._load,
+            kv_capacity_bytes=self._kv_capacity,
+            kv_used_bytes=self._kv_used,
+            addrs=self.addrs,
+        )
+        signed = sign_record(record, self.identity)
+        self._next_seq += 1
+        self._last_issued_at = now
+        if kind == KIND_SNAPSHOT:
+            old = self._logs.get(self.peer_id)
+            if old is not None:
+                self._held_raws.difference_update(s.raw for s in old.records)
+            self._logs[self.peer_id] = _OriginLog(signed)
+        else:
+            self._logs[self.peer_id].append(signed)
+        self._held_raws.add(signed.raw)
+        self.stats["records_issued"] += 1
+        self.stats["bytes_issued"] += len(signed.raw)
+        return signed
+
+    # --- summaries and sending ---------------------------------------------------------
+
+    def summary(self) -> Summary:
+        """origin -> (epoch, last seq held), including our own stream."""
+        return {origin: (log.epoch, log.last_seq) for origin, log in self._logs.items()}
+
+    def origins(self) -> list[bytes]:
+        """Remote origins currently held."""
+        return [o for o in self._logs if o != self.peer_id]
+
+    def held_records(self, origin: bytes) -> list[SignedRecord]:
+        """The records held for ``origin`` (its snapshot first), for relaying/inspection."""
+        log = self._logs.get(origin)
+        return list(log.records) if log else []
+
+    def records_for(
+        self,
+        peer_summary: Mapping[bytes, tuple[int, int]],
+        budget_bytes: int,
+        want_snapshots: Iterable[bytes] = (),
+    ) -> list[SignedRecord]:
+        """The records a peer with ``peer_summary`` lacks, within ``budget_bytes``."""
+        want = set(want_snapshots)
+        queues = []
+        for origin, log in self._logs.items():
+            theirs = peer_summary.get(origin)
+            if theirs is None or origin in want or theirs[0] < log.epoch:
+                needed = log.records
+            elif theirs[0] > log.epoch or theirs[1] >= log.last_seq:
+                continue
+            elif theirs[1] < log.first_seq:
+                needed = log.records
+            else:
+                needed = log.after(theirs[1])
+            if needed:
+                n_bytes = sum(len(s.raw) for s in needed)
+                newest = needed[-1].record.issued_at
+                queues.append((n_bytes, -newest, origin, deque(needed)))
+        queues.sort(key=lambda q: q[:3])
+        out: list[SignedRecord] = []
+        remaining = budget_bytes
+        active = [q[3] for q in queues]
+        while active:
+            still = []
+            for queue in active:
+                size = len(queue[0].raw)
+                if size > remaining:
+                    continue  # cut this origin off here: the rest depends on this record
+                out.append(queue.popleft())
+                remaining -= size
+                if queue:
+                    still.append(queue)
+            active = still
+        self.stats["records_sent"] += len(out)
+        self.stats["bytes_sent"] += sum(len(s.raw) for s in out)
+        return out
+
+    # --- receiving ---------------------------------------------------------------------
+
+    def _reject(self, result: ReceiveResult, error: DigestError) -> None:
+        result.rejected.append(error)
+        self.stats["rejected"][type(error).__name__] += 1
+
+    def receive(self, raws: Sequence[bytes], now: float) -> ReceiveResult:
+        """Verify and apply received records (any order of origins; each origin's in seq
+        order). Idempotent: records already held are skipped silently."""
+        result = ReceiveResult()
+        decoded: list[SignedRecord] = []
+        for raw in raws:
+            self.stats["records_received"] += 1
+            self.stats["bytes_received"] += len(raw) if isinstance(raw, bytes) else 0
+            if isinstance(raw, bytes) and raw in self._held_raws:
+                result.duplicates += 1
+                self.stats["duplicates"] += 1
+                continue
+            try:
+                signed = decode_record(
+                    raw, now=now, max_clock_skew=self.max_clock_skew, check_expiry=False
+                )
+            except DigestError as exc:
+                self._reject(result, exc)
+                continue
+            if signed.record.model != self.model_fp:
+                self._reject(
+                    result,
+                    WrongModel(
+                        f"record for model {signed.record.model.hex()[:16]}, "
+                        f"ours is {self.model_fp.hex()[:16]}"
+                    ),
+                )
+                continue
+            decoded.append(signed)
+        # an expired record is kept only if a fresh one of its origin comes with it
+        freshest: dict[bytes, float] = {}
+        for signed in decoded:
+            r = signed.record
+            freshest[r.origin] = max(freshest.get(r.origin, 0.0), r.expires_at)
+        for signed in decoded:
+            r = signed.record
+            if r.origin == self.peer_id:
+                self._receive_own(signed)
+                continue
+            if freshest[r.origin] <= now:
+                self._reject(
+                    result,
+                    ExpiredRecord(f"record expired {now - r.expires_at:.1f} s ago"),
+                )
+                continue
+            self._apply(signed, result)
+        return result
+
+    def _receive_own(self, signed: SignedRecord) -> None:
+        r = signed.record
+        own = self._logs[self.peer_id]
+        if self._force_snapshot:
+            return  # a restatement is already due
+        # Newer than anything we issued, or a different record for a seq we hold (raws we
+        # hold were skipped as duplicates): a record of ours from an earlier incarnation
+        # that used this epoch too. Our epoch went backwards: move past it and restate.
+        if r.epoch > own.epoch or (r.epoch == own.epoch and r.seq >= own.first_seq):
+            self.epoch = max(self.epoch, r.epoch) + 1
+            self._next_seq = 0
+            self._force_snapshot = True
+            self.stats["own_epoch_bumps"] += 1
+        # else: an old record of ours, or one we hold: nothing to do
+
+    def _replace(self, signed: SignedRecord) -> None:
+        origin = signed.record.origin
+        old = self._logs.get(origin)
+        if old is not None:
+            self._held_raws.difference_update(s.raw for s in old.records)
+        self._logs[origin] = _OriginLog(signed)
+        self._held_raws.add(signed.raw)
+
+    def _apply(self, signed: SignedRecord, result: ReceiveResult) -> None:
+        r = signed.record
+        if signed.raw in self._held_raws:  # the same record twice in one batch
+            result.duplicates += 1
+            self.stats["duplicates"] += 1
+            return
+        log = self._logs.get(r.origin)
+        is_snapshot = r.kind == KIND_SNAPSHOT
+        if log is None:
+            if not is_snapshot:
+                self._gap(r.origin, result)
+                return
+            if len(self._logs) - 1 >= MAX_ORIGINS:
+                self._reject(result, OriginTableFull(f"already holding {MAX_ORIGINS} origins"))
+                return
+            self._replace(signed)
+        elif r.epoch < log.epoch:
+            self._reject(
+                result,
+                SequenceRegression(f"epoch {r.epoch} is older than the held epoch {log.epoch}"),
+            )
+            return
+        elif r.epoch > log.epoch or r.seq > log.last_seq + 1:
+            if not is_snapshot:
+                self._gap(r.origin, result)
+                return
+            self._replace(signed)
+        elif r.seq <= log.last_seq:
+            if log.get(r.seq) is not None:  # held, and not byte-identical (checked above)
+                self._reject(
+                    result,
+                    ReplayedRecord(
+                        f"a different record for the held (epoch {r.epoch}, seq {r.seq})"
+                    ),
+                )
+            else:
+                self._reject(
+                    result,
+                    SequenceRegression(
+                        f"seq {r.seq} is older than the held snapshot (seq {log.first_seq})"
+                    ),
+                )
+            return
+        elif is_snapshot:  # seq == last + 1
+            self._replace(signed)
+        else:
+            if (
+                len(log.records) - 1 >= MAX_DELTAS_PER_ORIGIN
+                or log.n_bytes + len(signed.raw) > MAX_ORIGIN_BYTES
+            ):
+                self._reject(
+                    result,
+                    TooManyDeltas(
+                        f"origin already holds {len(log.records) - 1} deltas / "
+                        f"{log.n_bytes} bytes; waiting for its next snapshot"
+                    ),
+                )
+                return
+            log.append(signed)
+            self._held_raws.add(signed.raw)
+        result.applied.append(r)
+        self.stats["records_applied"] += 1
+
+    def _gap(self, origin: bytes, result: ReceiveResult) -> None:
+        result.need_snapshot.add(origin)
+        self.stats["gaps"] += 1
+
+    def expire(self, now: float) -> list[bytes]:
+        """Drop remote origins whose newest record has expired; returns them."""
+        dropped = [
+            o for o, log in self._logs.items() if o != self.peer_id and log.expires_at <= now
+        ]
+        for origin in dropped:
+            self._held_raws.difference_update(s.raw for s in self._logs.pop(origin).records)
+        self.stats["origins_expired"] += len(dropped)
+        return dropped
+
+    def held_bytes(self) -> int:
+        """Total bytes of records held (own and remote)."""
+        return sum(log.n_bytes for log in self._logs.values())
+
+
+# --- exchange message codecs ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExchangeReply:
+    records: list[bytes]
+    summary: Summary
+    want_snapshots: frozenset[bytes]
+
+
+def _raws(records: Iterable[SignedRecord | bytes]) -> list[bytes]:
+    return [r.raw if isinstance(r, SignedRecord) else bytes(r) for r in records]
+
+
+def _summary_list(summary: Mapping[bytes, tuple[int, int]]) -> list:
+    return [[o, e, s] for o, (e, s) in sorted(summary.items())]
+
+
+def _dump(message: list) -> bytes:
+    data = cbor2.dumps(message, canonical=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise OversizeMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def encode_summary(summary: Mapping[bytes, tuple[int, int]]) -> bytes:
+    """Message 1: ``[1, [[origin, epoch, seq], ...]]``."""
+    if len(summary) > MAX_SUMMARY_ENTRIES:
+        raise OversizeMessage(f"summary of {len(summary)} entries exceeds {MAX_SUMMARY_ENTRIES}")
+    return _dump([MSG_SUMMARY, _summary_list(summary)])
+
+
+def encode_reply(
+    records: Iterable[SignedRecord | bytes],
+    summary: Mapping[bytes, tuple[int, int]],
+    want_snapshots: Iterable[bytes] = (),
+) -> bytes:
+    """Message 2: ``[2, [raw, ...], [[origin, epoch, seq], ...], [origin, ...]]``."""
+    raws = _raws(records)
+    want = sorted(set(want_snapshots))
+    if len(raws) > MAX_RECORDS_PER_MESSAGE:
+        raise OversizeMessage(f"{len(raws)} records exceeds {MAX_RECORDS_PER_MESSAGE}")
+    if len(summary) > MAX_SUMMARY_ENTRIES:
+        raise OversizeMessage(f"summary of {len(summary)} entries exceeds {MAX_SUMMARY_ENTRIES}")
+    if len(want) > MAX_SNAPSHOT_REQUESTS:
+        raise OversizeMessage(f"{len(want)} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
+    return _dump([MSG_REPLY, raws, _summary_list(summary), want])
+
+
+def encode_records(records: Iterable[SignedRecord | bytes]) -> bytes:
+    """Message 3: ``[3, [raw, ...]]``."""
+    raws = _raws(records)
+    if len(raws) > MAX_RECORDS_PER_MESSAGE:
+        raise OversizeMessage(f"{len(raws)} records exceeds {MAX_RECORDS_PER_MESSAGE}")
+    return _dump([MSG_RECORDS, raws])
+
+
+def _load_message(data: bytes, msg_type: int, arity: int) -> list:
+    message = loads_bounded(
+        data,
+        max_bytes=MAX_MESSAGE_BYTES,
+        max_depth=4,
+        max_items=MAX_MESSAGE_ITEMS,
+        error=MalformedMessage,
+        oversize_error=OversizeMessage,
+    )
+    if type(message) is not list or not message or type(message[0]) is not int:
+        raise MalformedMessage("an exchange message is a CBOR array starting with its type")
+    if message[0] != msg_type:
+        raise MalformedMessage(f"expected message type {msg_type}, got {message[0]}")
+    if len(message) != arity:
+        raise MalformedMessage(f"message type {msg_type} has {arity} elements")
+    return message
+
+
+def _parse_summary(entries: object) -> Summary:
+    if type(entries) is not list:
+        raise MalformedMessage("summary must be an array")
+    if len(entries) > MAX_SUMMARY_ENTRIES:
+        raise OversizeMessage(f"summary of {len(entries)} entries exceeds {MAX_SUMMARY_ENTRIES}")
+    summary: Summary = {}
+    for entry in entries:
+        if type(entry) is not list or len(entry) != 3:
+            raise MalformedMessage("a summary entry is [origin, epoch, seq]")
+        origin, epoch, seq = entry
+        if type(origin) is not bytes or len(origin) != PEER_ID_BYTES:
+            raise MalformedMessage(f"summary origin must be a {PEER_ID_BYTES}-byte peer id")
+        for value in (epoch, seq):
+            if type(value) is not int or not 0 <= value <= MAX_UINT:
+                raise MalformedMessage("summary epoch/seq must be integers in [0, 2^63)")
+        if origin in summary:
+            raise MalformedMessage("summary lists an origin twice")
+        summary[origin] = (epoch, seq)
+    return summary
+
+
+def _parse_raws(items: object) -> list[bytes]:
+    if type(items) is not list:
+        raise MalformedMessage("records must be an array")
+    if len(items) > MAX_RECORDS_PER_MESSAGE:
+        raise OversizeMessage(f"{len(items)} records exceeds {MAX_RECORDS_PER_MESSAGE}")
+    if any(type(item) is not bytes for item in items):
+        raise MalformedMessage("each record must be a byte string")
+    return items
+
+
+def decode_summary(data: bytes) -> Summary:
+    return _parse_summary(_load_message(data, MSG_SUMMARY, 2)[1])
+
+
+def decode_reply(data: bytes) -> ExchangeReply:
+    _, raws, summary, want = _load_message(data, MSG_REPLY, 4)
+    if type(want) is not list:
+        raise MalformedMessage("snapshot requests must be an array")
+    if len(want) > MAX_SNAPSHOT_REQUESTS:
+        raise OversizeMessage(f"{len(want)} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
+    if any(type(o) is not bytes or len(o) != PEER_ID_BYTES for o in want):
+        raise MalformedMessage("snapshot requests must be peer ids")
+    return ExchangeReply(_parse_raws(raws), _parse_summary(summary), frozenset(want))
+
+
+def decode_records(data: bytes) -> list[bytes]:
+    return _parse_raws(_load_message(data, MSG_RECORDS, 2)[1])
