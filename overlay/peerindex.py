@@ -34,7 +34,7 @@ Match rule (``longest_matches``)
     of all peers; peers that share nothing with the request are never touched.
 
 Limits
-    ``MAX_HASHES_PER_PEER`` (32,768 by default, i.e. 512 Ki tokens of 16-token blocks,
+    ``MAX_HASHES_PER_PEER`` (65,536 by default, i.e. 1 Mi tokens of 16-token blocks,
     about 11 GiB of KV for the default 135M model) bounds what one peer can make this
     index hold. Additions past the cap are dropped, in record order, and counted in
     ``stats.hashes_truncated``. (Digest records carry hashes sorted by value, not by
@@ -73,7 +73,9 @@ __all__ = [
     "UnknownRecordKind",
 ]
 
-MAX_HASHES_PER_PEER = 32_768
+# Equal to what an honest node ever advertises (antientropy.MAX_ADVERTISED_HASHES), so the
+# cap only ever bites on peers that break the protocol.
+MAX_HASHES_PER_PEER = 65_536
 
 _EMPTY: frozenset[bytes] = frozenset()
 

@@ -389,9 +389,7 @@ class PrefixMeshPolicy:
                 )
             else:
                 best = "no eligible candidate"
-            return _serve(
-                f"{self.name}: serve, local est {local:.3f}s; {best}; {skipped}", local
-            )
+            return _serve(f"{self.name}: serve, local est {local:.3f}s; {best}; {skipped}", local)
         ranked = _break_top_tie(paying, self.rng)
         cost, peer = ranked[0]
         c = by_peer[peer]
@@ -553,9 +551,7 @@ class RandomPolicy(_PickOnePolicy):
 
 def rendezvous_score(key: bytes, node: bytes) -> int:
     """Highest-random-weight score of ``node`` for ``key`` (stable across processes)."""
-    digest = hashlib.blake2b(
-        len(key).to_bytes(2, "little") + key + node, digest_size=8
-    ).digest()
+    digest = hashlib.blake2b(len(key).to_bytes(2, "little") + key + node, digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 

@@ -164,7 +164,7 @@ def test_per_peer_cap_bounds_what_one_peer_holds() -> None:
     idx.apply(rec(P1, "delta", {NS1: ((), many[:1]), NS2: (many[6:8], ())}, seq=2), now=1.0)
     assert idx.estimate(P1).n_hashes == 4  # type: ignore[union-attr]
     assert idx.holdings(P1) == {NS1: frozenset(many[1:4]), NS2: frozenset(many[6:7])}
-    assert MAX_HASHES_PER_PEER == PeerCacheIndex().max_hashes_per_peer == 32_768
+    assert MAX_HASHES_PER_PEER == PeerCacheIndex().max_hashes_per_peer == 65_536
 
 
 def test_unknown_record_kind_is_a_typed_error() -> None:
