@@ -35,7 +35,7 @@ Match rule (``longest_matches``)
 
 Limits
     ``MAX_HASHES_PER_PEER`` (65,536 by default, i.e. 1 Mi tokens of 16-token blocks,
-    about 11 GiB of KV for the default 135M model) bounds what one peer can make this
+    about 22 GiB of KV for the default 135M model) bounds what one peer can make this
     index hold. Additions past the cap are dropped, in record order, and counted in
     ``stats.hashes_truncated``. (Digest records carry hashes sorted by value, not by
     chain position, so which hashes survive is arbitrary but deterministic; the
