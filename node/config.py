@@ -255,8 +255,8 @@ def _bool(value: Any, _base: Path) -> bool:
 
 def _int(lo: int, hi: int) -> Checker:
     def check(value: Any, _base: Path) -> int:
-        if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
-            value = int(value)  # from a flag
+        if isinstance(value, str) and re.fullmatch(r"-?\d{1,30}", value.strip()):
+            value = int(value)  # from a flag (longer digit strings can't be in range anyway)
         if isinstance(value, bool) or not isinstance(value, int):
             raise _Bad(f"must be an integer, not {_type_name(value)} {_show(value)}")
         if not lo <= value <= hi:
@@ -274,7 +274,10 @@ def _float(lo: float, hi: float, *, lo_open: bool = False) -> Checker:
                 raise _Bad(f"{_show(value)} is not a number") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _Bad(f"must be a number, not {_type_name(value)} {_show(value)}")
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:
+            raise _Bad(f"{_show(value)} is out of range (at most {hi})") from None
         if not math.isfinite(v) or v > hi or v < lo or (lo_open and v == lo):
             bound = f"more than {lo}" if lo_open else f"at least {lo}"
             raise _Bad(f"{value} is out of range ({bound}, at most {hi})")
@@ -310,7 +313,10 @@ def _path(value: Any, base: Path) -> Path:
         raise _Bad(f"must be a path string, not {_type_name(value)} {_show(value)}")
     if str(value) == "":
         raise _Bad("must be a non-empty path")
-    p = Path(value).expanduser()
+    try:
+        p = Path(value).expanduser()
+    except RuntimeError as exc:  # "~nosuchuser/..."
+        raise _Bad(f"{_show(value)}: {exc}") from None
     return p if p.is_absolute() else (base / p).absolute()
 
 
@@ -621,11 +627,26 @@ def _read_toml(path: Path) -> dict[str, Any]:
     if len(content) > MAX_CONFIG_BYTES:
         raise ConfigError("", f"{path}: config file larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        return tomllib.loads(content.decode("utf-8"))
+        text = content.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError("", f"{path}: config file is not UTF-8") from None
+    return _parse_toml(text, f"{path}: ")
+
+
+def _parse_toml(text: str, where: str = "") -> dict[str, Any]:
+    """tomllib with every failure as a ConfigError.
+
+    tomllib recurses per nesting level (a hostile file of nested arrays raises
+    RecursionError) and int() refuses literals over 4,300 digits (ValueError).
+    """
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("", f"{path}: invalid TOML: {exc}") from None
+        raise ConfigError("", f"{where}invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError("", f"{where}invalid TOML: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal beyond int()'s digit limit
+        raise ConfigError("", f"{where}invalid TOML: {exc}") from None
 
 
 def load_config(
@@ -644,10 +665,7 @@ def load_config(
     base = Path.cwd()
     source: Path | None = None
     if text is not None:
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("", f"invalid TOML: {exc}") from None
+        doc = _parse_toml(text)
     elif path is not None:
         source = Path(path).expanduser().absolute()
         doc = _read_toml(source)

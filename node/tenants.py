@@ -371,7 +371,10 @@ def parse_tenant(name: str, table: object, *, base_dir: Path | None = None) -> T
     file_text = table["secret_file"]
     if not isinstance(file_text, str) or not file_text:
         raise TenantConfigError(name, "secret_file", "must be a non-empty path string")
-    path = Path(file_text).expanduser()
+    try:
+        path = Path(file_text).expanduser()
+    except RuntimeError as exc:  # "~nosuchuser/..."
+        raise TenantConfigError(name, "secret_file", str(exc)) from None
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     try:

@@ -410,6 +410,8 @@ def _parse_key_file(content: bytes, path: Path) -> Identity:
         doc = json.loads(content.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise MalformedKeyFile(f"{path}: key file is not valid JSON ({exc})") from None
+    except RecursionError:  # json recurses per nesting level; a key file is flat
+        raise MalformedKeyFile(f"{path}: key file is not valid JSON (nested too deeply)") from None
     if not isinstance(doc, dict):
         raise MalformedKeyFile(f"{path}: key file must hold a JSON object")
     if doc.get("type") != KEY_FILE_TYPE:
@@ -417,7 +419,9 @@ def _parse_key_file(content: bytes, path: Path) -> Identity:
             f"{path}: not a prefixmesh identity file (type {doc.get('type')!r}, "
             f"expected {KEY_FILE_TYPE!r})"
         )
-    if doc.get("version") != KEY_FILE_VERSION:
+    version = doc.get("version")
+    # 1.0 == 1 and True == 1 in Python: insist on the JSON integer itself
+    if type(version) is not int or version != KEY_FILE_VERSION:
         raise UnsupportedKeyType(
             f"{path}: unsupported key file version {doc.get('version')!r} "
             f"(this code reads version {KEY_FILE_VERSION})"

@@ -342,3 +342,18 @@ secret = "tenant-secret-do-not-print"
     assert "do-not-print" not in printed
     assert "# api_key = (redacted)" in printed and "# secret = (redacted)" in printed
     tomllib.loads(printed)  # still valid TOML
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x = " + "[" * 5000 + "]" * 5000,  # tomllib recursion
+        "[node]\nn_ctx = " + "9" * 5000,  # beyond int()'s digit limit
+        '[node]\ncache_dir = "~nosuchuser_prefixmesh/cache"',  # expanduser failure
+        "[digest]\ninterval_s = " + "9" * 400,  # beyond float range
+    ],
+)
+def test_hostile_config_text_is_a_config_error(text):
+    """Inputs the fuzzer found: each must be a ConfigError, never another exception."""
+    with pytest.raises(ConfigError):
+        load_config(text=text)

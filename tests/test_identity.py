@@ -236,6 +236,9 @@ def _valid_doc():
         (lambda d: b"[1, 2]", MalformedKeyFile, "object"),
         (lambda d: json.dumps({**d, "type": "ssh"}).encode(), UnsupportedKeyType, "type"),
         (lambda d: json.dumps({**d, "version": 2}).encode(), UnsupportedKeyType, "version"),
+        (lambda d: json.dumps({**d, "version": 1.0}).encode(), UnsupportedKeyType, "version"),
+        (lambda d: json.dumps({**d, "version": True}).encode(), UnsupportedKeyType, "version"),
+        (lambda d: b"[" * 10_000, MalformedKeyFile, "nested too deeply"),
         (lambda d: json.dumps({**d, "key_type": "rsa"}).encode(), UnsupportedKeyType, "rsa"),
         (
             lambda d: json.dumps({k: v for k, v in d.items() if k != "seed"}).encode(),
