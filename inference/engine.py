@@ -1,0 +1,876 @@
+"""The inference engine: one llama.cpp model, a KV store of prompt prefixes, one worker thread.
+
+Serve path of a request (prompt token ids P, namespace ns):
+
+1. look up the longest cached prefix of the prompt *body* ``P[:-1]`` in ns (RAM or disk
+   tier of the :class:`~prefixmesh.inference.kvstore.KVStore`);
+2. clear the context, restore the saved per-sequence state with
+   ``llama_state_seq_set_data`` and, when the saved entry is longer than the match, cut it
+   back with ``llama_memory_seq_rm``;
+3. evaluate only the rest of the body (in chunks of 2..n_batch tokens), then the last
+   prompt token on its own;
+4. sample (greedy, or seeded temperature/top-k/top-p in numpy: deterministic for a given
+   seed and logits) and stream token pieces until EOS/EOG, ``max_tokens`` or cancellation;
+5. save snapshots of the snapshot points no stored entry covers yet: after generation, by
+   cutting the context back to each point (``seq_rm``) and ``llama_state_seq_get_data``,
+   so that saving costs no time to first token.
+
+Bit-identical results. Greedy output through any restore path equals a cold run of the
+same engine. Restoring copies the exact KV cells; what needs care is that the CPU kernels
+give slightly different results for a batch of ONE token (vector dot-product path) than
+for the same token inside a larger batch (GEMM path), and the difference shows up a few
+generated tokens later. Hence the batch discipline: a prompt is always evaluated as body
+(chunks of >= 2 tokens) + last token alone; snapshots hold body prefixes only (a snapshot
+never contains a token computed alone); a restore that would leave exactly one body token
+to evaluate restores one token less. ``use_extra_bufts`` is also turned off at load so that
+repacked-weight kernels (Q4_0/Q4_K/IQ4_NL) cannot make results depend on the batch split.
+
+Snapshot policy (``EngineConfig.snapshot_policy``):
+- ``"end"`` (default): one snapshot of the prompt body. Any prefix of it is served from
+  that one entry by truncation, so shorter points would only duplicate bytes.
+- ``"boundaries"``: also at every verified message boundary of the prompt (see
+  :mod:`.chat`) of at least ``min_snapshot_tokens`` tokens; this keeps a short shared
+  prefix (e.g. a system prompt) as its own small entry that survives eviction of the long
+  ones and restores faster. Points closer than ``min_snapshot_tokens`` to each other or to
+  the body's end are skipped.
+A point gets no snapshot when a stored entry already covers it.
+
+Threading. A ``llama_cpp.Llama`` object must only ever be used from one thread (two
+threads abort the process), so the engine owns one worker thread that loads the model and
+runs every llama call. Requests go through a bounded queue (``max_queue``; a full queue
+raises :class:`EngineBusy`). Tokenisation/chat rendering (read-only vocabulary) and the KV
+store lookups (under a lock) may be called from any thread. Cancellation of a queued or
+running request is checked between prefill chunks and between generated tokens.
+
+Cache events. Every time a prefix becomes cached (first tier) or stops being cached (left
+both tiers), the registered callback gets a :class:`CacheEvent` with the block-hash chain of
+its tokens under the namespace key. Callbacks run on the thread that changed the store
+(normally the worker): keep them short and thread-safe (e.g. ``trio.from_thread``).
+Prefixes of a namespace the engine does not know the key of (found on disk at start)
+are announced when the namespace is registered (:meth:`Engine.register_namespace`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import ctypes
+import hashlib
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .blocks import chain_hashes, derive_namespace_key, namespace_id
+from .chat import ChatError, ChatRenderer, EmptyPromptError, RenderedChat, UnknownRoleError
+from .kvstore import FINGERPRINT_BYTES, KVStore, Lease, StoreChange
+from .model import GGUFError, cache_dir, read_gguf_info, resolve_model
+
+__all__ = [
+    "Namespace",
+    "CacheEvent",
+    "SamplingParams",
+    "EngineConfig",
+    "TokenPiece",
+    "RequestStats",
+    "Completion",
+    "EngineLoad",
+    "RequestHandle",
+    "Engine",
+    "EngineError",
+    "ModelLoadError",
+    "EngineBusy",
+    "EngineClosed",
+    "ContextOverflowError",
+    "InvalidRequestError",
+    "EmptyPromptError",
+    "UnknownRoleError",
+    "ChatError",
+]
+
+log = logging.getLogger(__name__)
+
+_EWMA_ALPHA = 0.3
+_MIN_PREFILL_FOR_RATE = 16
+_load_lock = threading.Lock()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class EngineError(Exception):
+    """Base class of engine errors (chat rendering errors are :class:`ChatError`)."""
+
+
+class ModelLoadError(EngineError):
+    """The model file is missing, not a GGUF file, or llama.cpp refused to load it."""
+
+
+class EngineBusy(EngineError):
+    """The request queue is full: back off and retry, or route elsewhere."""
+
+
+class EngineClosed(EngineError):
+    """The engine has been closed (or its worker died)."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request is malformed (bad sampling parameters, token ids out of range)."""
+
+
+class ContextOverflowError(InvalidRequestError):
+    """prompt tokens + max_tokens exceed the context size."""
+
+
+# --------------------------------------------------------------------------- data types
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """A tenant namespace: ``key`` keys its block hashes, ``id`` names it publicly."""
+
+    name: str
+    key: bytes
+    id: bytes
+
+    @classmethod
+    def derive(cls, name: str, secret: bytes, model_fingerprint: bytes) -> Namespace:
+        key = derive_namespace_key(secret, name, model_fingerprint)
+        return cls(name=name, key=key, id=namespace_id(key))
+
+    @classmethod
+    def public(cls, model_fingerprint: bytes, name: str = "public") -> Namespace:
+        """A namespace anyone can compute (secret = the name itself)."""
+        return cls.derive(name, name.encode("utf-8"), model_fingerprint)
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    kind: str  # "add" | "remove"
+    ns: bytes  # namespace id
+    tokens_len: int
+    chain: list[bytes]  # blocks.chain_hashes(ns key, tokens): whole 16-token blocks only
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    seed: int | None = None  # used when temperature > 0 (None: fresh entropy)
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1.0 = off
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be an integer >= 1")
+        if not self.temperature >= 0.0:
+            raise InvalidRequestError("temperature must be >= 0")
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_k must be >= 0 and top_p in (0, 1]")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str | os.PathLike[str] | None = None  # None: the embedded default model
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None  # None: all cores
+    n_gpu_layers: int = 0  # CPU by default
+    flash_attn: bool = False
+    kv_dir: str | os.PathLike[str] | None = None  # None: <cache dir>/kv
+    ram_budget_bytes: int = 1 << 30
+    disk_budget_bytes: int = 8 << 30  # 0 disables the disk tier
+    max_queue: int = 16
+    snapshot_policy: str = "end"  # "end" | "boundaries"
+    min_snapshot_tokens: int = 16
+    verify_on_start: bool = True  # checksum every state file when rebuilding the disk index
+    fsync: bool = True
+    seed: int = 0  # llama context seed (unused by our sampler; recorded for completeness)
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    token: int
+    text: str  # decoded text of this token (UTF-8 sequences split across tokens held back)
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored instead of evaluated
+    hit_tier: str = "none"  # "ram" | "disk" | "none"
+    prefill_tokens: int = 0  # prompt tokens evaluated
+    completion_tokens: int = 0
+    queue_wait_s: float = 0.0
+    restore_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # service start -> first token sampled (excludes queue wait)
+    decode_s: float = 0.0
+    decode_tps: float = 0.0
+    total_s: float = 0.0
+    snapshots_saved: int = 0
+    snapshot_s: float = 0.0  # saving snapshots after generation (not part of ttft_s)
+    finish_reason: str = ""  # "stop" | "length" | "cancelled" | "error"
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stats: RequestStats
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    queue_depth: int
+    active: int
+    prefill_tps: float  # EWMA of measured prompt tokens/s (0.0 until measured)
+    decode_tps: float  # EWMA of measured generated tokens/s
+
+
+# --------------------------------------------------------------------------- requests
+
+_DONE = object()
+
+
+class RequestHandle:
+    """A submitted request. Iterate it for :class:`TokenPiece` s; ``result()`` waits."""
+
+    def __init__(self, rid: int, tokens: tuple[int, ...], ns: Namespace, params: SamplingParams,
+                 boundaries: tuple[int, ...], on_token: Callable[[TokenPiece], None] | None):
+        self.id = rid
+        self.tokens = tokens
+        self.ns = ns
+        self.params = params
+        self.boundaries = boundaries
+        self.on_token = on_token
+        self.submitted_at = time.perf_counter()
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._pieces: queue.SimpleQueue = queue.SimpleQueue()
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request (queued: dropped; running: at the next token)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def __iter__(self) -> Iterator[TokenPiece]:
+        while True:
+            item = self._pieces.get()
+            if item is _DONE:
+                self._pieces.put(_DONE)  # later iterations end at once too
+                if self._error is not None:
+                    raise self._error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> Completion:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._completion is not None
+        return self._completion
+
+    # worker side
+    def _emit(self, piece: TokenPiece) -> None:
+        self._pieces.put(piece)
+        if self.on_token is not None:
+            try:
+                self.on_token(piece)
+            except Exception:
+                log.exception("on_token callback of request %d failed", self.id)
+
+    def _finish(self, completion: Completion | None, error: BaseException | None) -> None:
+        self._completion, self._error = completion, error
+        self._done.set()
+        self._pieces.put(_DONE)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """See the module docstring. Construct, submit requests, ``close()`` when done."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        cfg = replace(config or EngineConfig(), **overrides)
+        if cfg.snapshot_policy not in ("end", "boundaries"):
+            raise ValueError(f"unknown snapshot policy {cfg.snapshot_policy!r}")
+        if cfg.n_batch < 4 or cfg.n_ctx < 8 or cfg.max_queue < 1:
+            raise ValueError("need n_batch >= 4, n_ctx >= 8 and max_queue >= 1")
+        self.config = cfg
+        try:
+            self.model_path = resolve_model(cfg.model_path, progress=False)
+            self.gguf = read_gguf_info(self.model_path)
+        except FileNotFoundError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        except GGUFError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        self.model_fingerprint: bytes = self.gguf.fingerprint
+        self.n_ctx = cfg.n_ctx
+        self._namespaces: dict[bytes, Namespace] = {}
+        self._event_cb: Callable[[CacheEvent], None] | None = None
+        self._ns_lock = threading.RLock()
+        self._queue: queue.Queue[RequestHandle | None] = queue.Queue(maxsize=cfg.max_queue)
+        self._ids = itertools.count(1)
+        self._active = 0
+        self._prefill_tps = 0.0
+        self._decode_tps = 0.0
+        self._closed = False
+        self._llama = None
+        self._current: RequestHandle | None = None
+        self._vocab_lock = threading.Lock()
+        self._load_error: BaseException | None = None
+        self._loaded = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="prefixmesh-engine", daemon=True)
+        self._worker.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            self._worker.join()
+            raise self._load_error
+        import llama_cpp
+
+        self.state_fingerprint = hashlib.blake2b(
+            b"prefixmesh-kv-state/v1\x00"
+            + self.model_fingerprint
+            + f"|llama-cpp-python={llama_cpp.__version__}|flash_attn={cfg.flash_attn}"
+            f"|type_k=f16|type_v=f16|extra_bufts=0|swa_full=1".encode(),
+            digest_size=FINGERPRINT_BYTES,
+        ).digest()
+        kv_dir = Path(cfg.kv_dir) if cfg.kv_dir is not None else cache_dir() / "kv"
+        self.store = KVStore(
+            fingerprint=self.state_fingerprint,
+            ram_budget_bytes=cfg.ram_budget_bytes,
+            disk_budget_bytes=cfg.disk_budget_bytes,
+            disk_dir=kv_dir if cfg.disk_budget_bytes > 0 else None,
+            on_change=self._store_changed,
+            verify_on_start=cfg.verify_on_start,
+            fsync=cfg.fsync,
+        )
+        self.default_namespace = self.namespace("public")
+        self.register_namespace(self.default_namespace)
+
+    # ---------------------------------------------------------------- namespaces & events
+
+    def namespace(self, name: str, secret: bytes | None = None) -> Namespace:
+        """The namespace ``name`` for this model (``secret`` None: a public namespace)."""
+        if secret is None:
+            return Namespace.public(self.model_fingerprint, name)
+        return Namespace.derive(name, secret, self.model_fingerprint)
+
+    def register_namespace(self, ns: Namespace) -> None:
+        """Make ``ns`` known so its cache events carry chains; announces its cached prefixes."""
+        with self._ns_lock:
+            if ns.id in self._namespaces:
+                return
+            self._namespaces[ns.id] = ns
+            existing = [t for nid, t, _ in self.store.prefixes() if nid == ns.id]
+        for tokens in existing:
+            self._dispatch(CacheEvent("add", ns.id, len(tokens), chain_hashes(ns.key, tokens)))
+
+    def set_event_callback(self, callback: Callable[[CacheEvent], None] | None) -> None:
+        """Register the (single) cache event listener; None unregisters."""
+        self._event_cb = callback
+
+    def cached_prefixes(self) -> list[CacheEvent]:
+        """An ``add`` event for every currently cached prefix of a registered namespace
+        (for a listener that attaches after start)."""
+        with self._ns_lock:
+            items = self.store.prefixes()
+            out = []
+            for nid, tokens, _ in items:
+                ns = self._namespaces.get(nid)
+                if ns is not None:
+                    out.append(CacheEvent("add", nid, len(tokens), chain_hashes(ns.key, tokens)))
+            return out
+
+    def _store_changed(self, change: StoreChange) -> None:
+        ns = self._namespaces.get(change.ns_id)
+        if ns is None:
+            return  # announced by register_namespace
+        self._dispatch(
+            CacheEvent(change.kind, change.ns_id, len(change.tokens),
+                       chain_hashes(ns.key, change.tokens))
+        )
+
+    def _dispatch(self, event: CacheEvent) -> None:
+        cb = self._event_cb
+        if cb is not None:
+            try:
+                cb(event)
+            except Exception:
+                log.exception("cache event callback failed")
+
+    # ---------------------------------------------------------------- tokens & figures
+
+    def render_chat(self, messages: object) -> RenderedChat:
+        """Render and tokenize a chat (thread-safe). Raises :class:`ChatError` subclasses."""
+        with self._vocab_lock:
+            if self._llama is None:
+                raise EngineClosed("the engine is closed")
+            return self._renderer.render(messages)
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of ``text`` (no BOS added; special tokens parsed). Thread-safe."""
+        with self._vocab_lock:
+            if self._llama is None:
+                raise EngineClosed("the engine is closed")
+            return self._llama.tokenize(text.encode("utf-8"), add_bos=False, special=special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        with self._vocab_lock:
+            if self._llama is None:
+                raise EngineClosed("the engine is closed")
+            return self._llama.detokenize(list(tokens)).decode("utf-8", "replace")
+
+    def cached_tokens(self, ns: Namespace, tokens: Sequence[int]) -> tuple[int, str | None]:
+        """How many leading tokens of ``tokens`` a request in ``ns`` would restore, and from
+        which tier (capped at len(tokens) - 1: the last prompt token is always evaluated)."""
+        if len(tokens) < 2:
+            return 0, None
+        return self.store.lookup_length(ns.id, tokens[:-1])
+
+    def lease_prefix(self, ns: Namespace, tokens: Sequence[int]) -> Lease | None:
+        """Pin the longest cached prefix of ``tokens`` in ``ns`` (thread-safe): it survives
+        eviction until ``lease.release()``. ``lease.data`` is the raw state, ``lease.tokens``
+        the tokens it holds, ``lease.length`` how many of ``tokens`` it serves."""
+        return self.store.acquire(ns.id, tokens)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            queue_depth=self._queue.qsize(),
+            active=self._active,
+            prefill_tps=self._prefill_tps,
+            decode_tps=self._decode_tps,
+        )
+
+    def cache_usage(self) -> tuple[int, int]:
+        """(capacity bytes, used bytes) over both tiers."""
+        s = self.store.stats
+        return s.ram_budget_bytes + s.disk_budget_bytes, s.ram_bytes + s.disk_bytes
+
+    # ---------------------------------------------------------------- submitting
+
+    def submit_chat(self, messages: object, ns: Namespace | None = None,
+                    params: SamplingParams | None = None, *,
+                    on_token: Callable[[TokenPiece], None] | None = None) -> RequestHandle:
+        rendered = self.render_chat(messages)
+        return self._submit(rendered.tokens, ns, params, rendered.boundaries, on_token)
+
+    def submit_tokens(self, tokens: Sequence[int], ns: Namespace | None = None,
+                      params: SamplingParams | None = None, *,
+                      boundaries: Sequence[int] = (),
+                      on_token: Callable[[TokenPiece], None] | None = None) -> RequestHandle:
+        return self._submit(tuple(tokens), ns, params, tuple(boundaries), on_token)
+
+    def chat(self, messages: object, ns: Namespace | None = None,
+             params: SamplingParams | None = None, timeout: float | None = None) -> Completion:
+        return self.submit_chat(messages, ns, params).result(timeout)
+
+    def complete_tokens(self, tokens: Sequence[int], ns: Namespace | None = None,
+                        params: SamplingParams | None = None,
+                        timeout: float | None = None) -> Completion:
+        return self.submit_tokens(tokens, ns, params).result(timeout)
+
+    def _submit(self, tokens: tuple[int, ...], ns: Namespace | None,
+                params: SamplingParams | None, boundaries: tuple[int, ...],
+                on_token: Callable[[TokenPiece], None] | None) -> RequestHandle:
+        if self._closed or not self._worker.is_alive():
+            raise EngineClosed("the engine is closed")
+        params = params or SamplingParams()
+        params.validate()
+        ns = ns or self.default_namespace
+        if not tokens:
+            raise EmptyPromptError("the prompt has no tokens")
+        n_vocab = self._n_vocab
+        if any(not isinstance(t, int) or t < 0 or t >= n_vocab for t in tokens):
+            raise InvalidRequestError(f"token ids must be integers in [0, {n_vocab})")
+        if len(tokens) + params.max_tokens > self.n_ctx:
+            raise ContextOverflowError(
+                f"prompt of {len(tokens)} tokens + max_tokens {params.max_tokens} exceeds the "
+                f"context of {self.n_ctx} tokens"
+            )
+        self.register_namespace(ns)
+        handle = RequestHandle(next(self._ids), tokens, ns, params, boundaries, on_token)
+        try:
+            self._queue.put_nowait(handle)
+        except queue.Full:
+            raise EngineBusy(
+                f"engine queue is full ({self.config.max_queue} requests waiting)"
+            ) from None
+        return handle
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def close(self, *, flush: bool = True, timeout: float | None = None) -> None:
+        """Stop the worker (queued requests are cancelled) and, with ``flush``, write RAM
+        entries to disk so that a new engine on the same directory can reuse them."""
+        if self._closed:
+            return
+        self._closed = True
+        current = self._current
+        if current is not None:
+            current.cancel()  # stops at its next token
+        while True:  # cancel what is still queued
+            try:
+                h = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if h is not None:
+                h._finish(Completion([], "", "cancelled", RequestStats(finish_reason="cancelled")),
+                          None)
+        self._queue.put(None)
+        self._worker.join(timeout)
+        if flush:
+            self.store.flush_to_disk()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- worker thread
+
+    def _run(self) -> None:
+        try:
+            self._load_model()
+        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+            self._load_error = exc if isinstance(exc, EngineError) else ModelLoadError(
+                f"llama.cpp could not load {self.model_path}: {exc}")
+            self._loaded.set()
+            return
+        self._loaded.set()
+        try:
+            while True:
+                handle = self._queue.get()
+                if handle is None:
+                    break
+                if handle.cancelled:
+                    handle._finish(
+                        Completion([], "", "cancelled", RequestStats(
+                            prompt_tokens=len(handle.tokens), finish_reason="cancelled")), None)
+                    continue
+                self._active = 1
+                self._current = handle
+                try:
+                    completion = self._serve(handle)
+                except Exception as exc:
+                    log.exception("request %d failed", handle.id)
+                    handle._finish(None, exc)
+                else:
+                    handle._finish(completion, None)
+                finally:
+                    self._active = 0
+                    self._current = None
+        finally:
+            # Tokenisation runs on callers' threads (read-only vocabulary, which llama.cpp
+            # allows concurrently with decoding) but must not race with freeing the model.
+            with self._vocab_lock:
+                llama, self._llama = self._llama, None
+            if llama is not None:
+                with contextlib.suppress(Exception):
+                    llama.close()
+
+    def _load_model(self) -> None:
+        import llama_cpp
+        from llama_cpp import llama_cpp as lib
+
+        cfg = self.config
+        with _load_lock:
+            original = lib.llama_model_default_params
+
+            def params_without_repacking():
+                p = original()
+                p.use_extra_bufts = False  # batch-split-independent kernels (see docstring)
+                return p
+
+            lib.llama_model_default_params = params_without_repacking
+            try:
+                llama = llama_cpp.Llama(
+                    model_path=str(self.model_path),
+                    n_ctx=cfg.n_ctx,
+                    n_batch=min(cfg.n_batch, cfg.n_ctx),
+                    n_ubatch=min(cfg.n_batch, cfg.n_ctx),
+                    n_threads=cfg.n_threads,
+                    n_threads_batch=cfg.n_threads,
+                    n_gpu_layers=cfg.n_gpu_layers,
+                    flash_attn=cfg.flash_attn,
+                    swa_full=True,  # sliding-window models: keep every cell (see below)
+                    seed=cfg.seed,
+                    logits_all=False,
+                    verbose=False,
+                )
+            except ValueError as exc:
+                raise ModelLoadError(f"llama.cpp could not load {self.model_path}: {exc}") from exc
+            finally:
+                lib.llama_model_default_params = original
+        self._lib = lib
+        self._llama = llama
+        self._ctx = llama._ctx.ctx
+        self._mem = lib.llama_get_memory(self._ctx)
+        self._vocab = llama._model.vocab
+        self._n_vocab = llama.n_vocab()
+        self.n_ctx = llama.n_ctx()
+        # A sliding-window model's saved state may only be continued exactly where it ends,
+        # never cut back to a shorter prefix (measured: wrong logits otherwise).
+        self._can_truncate = not any(
+            k.endswith(".attention.sliding_window") for k in self.gguf.metadata)
+        meta = self.gguf.metadata
+        bos_id = meta.get("tokenizer.ggml.bos_token_id")
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+
+        def token_text(tid):
+            if tid is None or not 0 <= tid < self._n_vocab:
+                return ""
+            return llama._model.token_get_text(tid)
+
+        self._renderer = ChatRenderer(
+            self.gguf.chat_template,
+            lambda text: llama.tokenize(text.encode("utf-8"), add_bos=False, special=True),
+            bos_token=token_text(bos_id),
+            eos_token=token_text(eos_id),
+            bos_token_id=bos_id,
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    # -- llama helpers (worker thread only)
+
+    def _decode(self, tokens: Sequence[int], n_past: int) -> None:
+        llama = self._llama
+        step = llama.n_batch
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i : i + step]
+            llama._batch.set_batch(batch=chunk, n_past=n_past + i, logits_all=False)
+            rc = self._lib.llama_decode(self._ctx, llama._batch.batch)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed with code {rc}")
+
+    def _decode_body(self, tokens: Sequence[int], n_past: int, h: RequestHandle) -> bool:
+        """Evaluate ``tokens`` in chunks of at most n_batch and (if possible) at least 2;
+        False if the request was cancelled between chunks (the context is then partial)."""
+        step = self._llama.n_batch
+        i, n = 0, len(tokens)
+        while i < n:
+            if h.cancelled:
+                return False
+            size = min(step, n - i)
+            if n - i - size == 1:  # never leave a lone token for the last chunk
+                size -= 1
+            self._decode(tokens[i : i + size], n_past + i)
+            i += size
+        return True
+
+    def _logits(self) -> np.ndarray:
+        ptr = self._lib.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def _snapshot(self) -> ctypes.Array:
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        if n != size:
+            raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
+        return buf
+
+    def _restore(self, lease: Lease, length: int) -> bool:
+        """Load ``lease``'s state into sequence 0 and cut it to ``length`` tokens."""
+        data = lease.data
+        if isinstance(data, ctypes.Array):
+            buf = data
+        elif isinstance(data, bytearray):
+            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        else:
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        n = self._lib.llama_state_seq_set_data(self._ctx, buf, len(data), 0)
+        if n == 0:
+            self._lib.llama_memory_clear(self._mem, True)
+            return False
+        if lease.entry_tokens > length:
+            if not self._lib.llama_memory_seq_rm(self._mem, 0, length, -1):
+                self._lib.llama_memory_clear(self._mem, True)
+                return False
+        return True
+
+    def _sample(self, logits: np.ndarray, params: SamplingParams, rng) -> int:
+        if params.temperature <= 0.0:
+            return int(np.argmax(logits))
+        x = logits.astype(np.float64) / params.temperature
+        if params.top_k and params.top_k < x.size:
+            idx = np.argpartition(-x, params.top_k - 1)[: params.top_k]
+        else:
+            idx = np.arange(x.size)
+        order = idx[np.argsort(-x[idx], kind="stable")]
+        p = np.exp(x[order] - x[order[0]])
+        p /= p.sum()
+        if params.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(p), params.top_p) + 1)
+            order, p = order[:keep], p[:keep] / p[:keep].sum()
+        return int(order[rng.choice(len(order), p=p)])
+
+    def _serve(self, h: RequestHandle) -> Completion:
+        lib = self._lib
+        stats = RequestStats(prompt_tokens=len(h.tokens))
+        t_start = time.perf_counter()
+        stats.queue_wait_s = t_start - h.submitted_at
+        tokens = h.tokens
+        n_prompt = len(tokens)
+        ns_id = h.ns.id
+
+        # Batch discipline (what makes cached runs bit-identical to cold ones): the CPU
+        # kernels give slightly different results for a batch of ONE token than for the
+        # same token inside a larger batch. So every request evaluates the prompt as
+        # "body" tokens[:T] (T = P - 1) in chunks of >= 2 tokens, then the last token
+        # alone; snapshots hold body prefixes only; and a restore that would leave a
+        # single body token to evaluate restores one token less.
+        body_end = n_prompt - 1
+
+        # 1-2: restore the longest cached prefix of the body
+        lib.llama_memory_clear(self._mem, True)
+        n_past = 0
+        if body_end >= 1:
+            lease = self.store.acquire(ns_id, tokens[:body_end])
+            if lease is not None:
+                try:
+                    use = lease.length
+                    if body_end - use == 1:
+                        use -= 1
+                    t0 = time.perf_counter()
+                    if use <= 0 or (use < lease.entry_tokens and not self._can_truncate):
+                        pass  # nothing usable: run cold
+                    elif self._restore(lease, use):
+                        n_past = use
+                        stats.hit_tier = lease.tier
+                    else:
+                        log.warning("llama refused a stored state; dropping it and running cold")
+                        lease.release()
+                        with contextlib.suppress(Exception):
+                            self.store.remove(ns_id, lease.tokens)
+                    stats.restore_s = time.perf_counter() - t0
+                finally:
+                    lease.release()
+        stats.cached_tokens = n_past
+
+        # 3: evaluate the rest of the body, stopping at snapshot points, then the last token
+        stops = [body_end] if body_end > n_past else []
+        if self.config.snapshot_policy == "boundaries" and stops:
+            prev = n_past
+            inner = []
+            for b in sorted(h.boundaries):
+                # at least min_snapshot_tokens long and that far from the previous stop and
+                # from the body's end (closer points would mostly duplicate bytes)
+                gap = self.config.min_snapshot_tokens
+                if b >= gap and b - prev >= max(2, gap) and body_end - b >= max(2, gap):
+                    inner.append(b)
+                    prev = b
+            stops = inner + stops
+        t0 = time.perf_counter()
+        reached: list[int] = []  # snapshot points whose whole prefix is now in the context
+        for stop in stops:
+            if not self._decode_body(tokens[n_past:stop], n_past, h):
+                break
+            n_past = stop
+            if stop >= self.config.min_snapshot_tokens or stop == body_end:
+                reached.append(stop)
+        if not h.cancelled:
+            self._decode(tokens[body_end:], body_end)
+            n_past = n_prompt
+        stats.prefill_s = time.perf_counter() - t0
+        stats.prefill_tokens = n_prompt - stats.cached_tokens
+        if h.cancelled:
+            self._save_snapshots(ns_id, tokens, reached, stats)
+            stats.finish_reason = "cancelled"
+            stats.total_s = time.perf_counter() - t_start
+            return Completion([], "", "cancelled", stats)
+        if stats.prefill_tokens >= _MIN_PREFILL_FOR_RATE and stats.prefill_s > 0:
+            self._prefill_tps = _ewma(self._prefill_tps, stats.prefill_tokens / stats.prefill_s)
+
+        # 4: sample and stream
+        params = h.params
+        rng = np.random.default_rng(params.seed) if params.temperature > 0 else None
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        generated: list[int] = []
+        text_parts: list[str] = []
+        finish = "length"
+        t_first = None
+        while True:
+            tok = self._sample(self._logits(), params, rng)
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t_start
+            if lib.llama_vocab_is_eog(self._vocab, tok):
+                finish = "stop"
+                break
+            generated.append(tok)
+            piece = decoder.decode(self._llama.detokenize([tok]))
+            text_parts.append(piece)
+            h._emit(TokenPiece(tok, piece))
+            if len(generated) >= params.max_tokens:
+                finish = "length"
+                break
+            if h.cancelled:
+                finish = "cancelled"
+                break
+            self._decode([tok], n_past)
+            n_past += 1
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            text_parts.append(tail)
+        t_end = time.perf_counter()
+        stats.completion_tokens = len(generated)
+        stats.decode_s = t_end - (t_first or t_end)
+        if len(generated) > 1 and stats.decode_s > 0:
+            stats.decode_tps = (len(generated) - 1) / stats.decode_s
+            self._decode_tps = _ewma(self._decode_tps, stats.decode_tps)
+        # 5: snapshots, off the time-to-first-token path
+        self._save_snapshots(ns_id, tokens, reached, stats)
+        stats.total_s = time.perf_counter() - t_start
+        stats.finish_reason = finish
+        return Completion(generated, "".join(text_parts), finish, stats)
+
+    def _save_snapshots(self, ns_id: bytes, tokens: Sequence[int], points: list[int],
+                        stats: RequestStats) -> None:
+        """Save the context's state cut back to each point, longest first.
+
+        Taken after generation, so it costs no time to first token: cutting the context
+        with ``llama_memory_seq_rm`` leaves the cells of earlier positions untouched, so
+        the saved state is exactly the body prefix as the prefill computed it. The context
+        is cleared at the start of the next request anyway.
+        """
+        t0 = time.perf_counter()
+        # decide before saving: this request's own longer snapshot must not make its shorter
+        # points look covered
+        todo = [p for p in sorted(points, reverse=True)
+                if not self.store.covered(ns_id, tokens[:p])]
+        for point in todo:
+            prefix = tokens[:point]
+            if not self._lib.llama_memory_seq_rm(self._mem, 0, point, -1):
+                log.warning("could not cut the context back to %d tokens for a snapshot", point)
+                break
+            if self.store.put(ns_id, prefix, self._snapshot()):
+                stats.snapshots_saved += 1
+        stats.snapshot_s = time.perf_counter() - t0
+
+
+def _ewma(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - _EWMA_ALPHA) * old + _EWMA_ALPHA * new
+

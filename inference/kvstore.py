@@ -1,0 +1,647 @@
+"""KV store: saved per-sequence KV states of prompt prefixes, in a RAM tier and a disk tier.
+
+What is stored. A *state* is the opaque byte string ``llama_state_seq_get_data`` returns for
+one sequence holding exactly the tokens of a prefix. The store never interprets it; the
+engine restores it with ``llama_state_seq_set_data`` and may truncate it to a shorter prefix.
+This module imports no llama code, so its logic is unit-testable with synthetic bytes.
+
+Index. Each tier is a :class:`~prefixmesh.inference.radix.RadixTree` keyed by
+``(namespace pseudo-token,) + token ids``; the pseudo-token is a negative int assigned per
+namespace id, so prefixes of different namespaces are disjoint by construction and a
+lookup in one namespace can never return another namespace's state. Both tiers are
+searched on lookup and the longer match wins (RAM on a tie).
+
+Budgets. Each tier's tree enforces its byte budget (RAM: payload bytes + 4 per token; disk:
+file sizes) by evicting least-recently-used *unpinned* entries. An entry is pinned while a
+:class:`Lease` on it is held (a request is restoring it). An entry evicted from RAM is
+demoted to disk when it is not there already and the disk budget allows; an entry evicted
+from disk has its file deleted. A prefix counts as cached while it is in either tier;
+``on_change`` gets one ``add`` when a prefix becomes cached and one ``remove`` when it is
+in neither tier any more. Changes are queued while the trees are being modified and
+delivered after each public call returns (callbacks never run inside a tree operation).
+
+Disk layout: ``<disk_dir>/<fingerprint hex[:32]>/<namespace id hex>/<blake2b(key) hex>.kv``,
+written as a temp file in the same folder, fsynced, renamed, folder fsynced. File format
+(little endian)::
+
+    magic  b"PMKV"            4
+    version u16, flags u16    4
+    fingerprint               32   (model + state-layout fingerprint, see engine)
+    namespace id              8
+    n_tokens u32              4
+    payload_len u64           8
+    token ids u32 * n_tokens
+    payload                   payload_len
+    checksum                  32   BLAKE2b-256 over everything before it
+
+On start the disk index is rebuilt from the files: a file that is truncated, fails its
+checksum, carries another fingerprint or namespace than its folder says, or exceeds the
+limits is logged, counted and deleted; it is never loaded. Files are re-verified
+(checksum) every time they are read. Parsing is bounded: :data:`MAX_STATE_TOKENS` tokens,
+payloads no larger than the disk budget. Disk recency survives restarts through file
+mtimes (touched on every disk hit).
+
+Thread safety: every public method takes the store's re-entrant lock, so lookups (routing)
+and lease releases may come from any thread; ``on_change`` runs with the lock held.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import wraps
+from pathlib import Path
+
+from .radix import Entry, RadixTree
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "FINGERPRINT_BYTES",
+    "MAX_STATE_TOKENS",
+    "StoreChange",
+    "Lease",
+    "StoreStats",
+    "KVStoreError",
+    "KVStore",
+    "encode_state_file",
+    "decode_state_file",
+    "CorruptStateFile",
+]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PMKV"
+FORMAT_VERSION = 1
+FINGERPRINT_BYTES = 32
+NS_ID_BYTES = 8
+CHECKSUM_BYTES = 32
+MAX_STATE_TOKENS = 1 << 20
+_HEADER = struct.Struct("<4sHH32s8sIQ")
+_RAM_TOKEN_OVERHEAD = 4
+
+
+class KVStoreError(Exception):
+    """Base class of KV store errors."""
+
+
+class CorruptStateFile(KVStoreError):
+    """A state file is truncated, fails its checksum, or does not belong here."""
+
+
+@dataclass(frozen=True)
+class StoreChange:
+    kind: str  # "add" | "remove"
+    ns_id: bytes
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class StoreStats:
+    ram_entries: int = 0
+    ram_bytes: int = 0
+    ram_budget_bytes: int = 0
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_budget_bytes: int = 0
+    hits_ram: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    puts: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    disk_writes: int = 0
+    disk_write_errors: int = 0
+    corrupt_files_removed: int = 0
+    foreign_files_removed: int = 0
+
+
+def _checksum(*parts: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(digest_size=CHECKSUM_BYTES)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def encode_state_file(
+    fingerprint: bytes, ns_id: bytes, tokens: Sequence[int], payload: bytes
+) -> tuple[bytes, bytes]:
+    """Header+tokens and the trailing checksum of a state file (payload goes between them)."""
+    if len(fingerprint) != FINGERPRINT_BYTES or len(ns_id) != NS_ID_BYTES:
+        raise ValueError("bad fingerprint or namespace id length")
+    head = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, 0, fingerprint, ns_id, len(tokens), len(payload)
+    ) + struct.pack(f"<{len(tokens)}I", *tokens)
+    return head, _checksum(head, payload)
+
+
+def _parse_header(buf: bytes, file_size: int, max_payload: int) -> tuple[bytes, bytes, int, int]:
+    if len(buf) < _HEADER.size:
+        raise CorruptStateFile("shorter than the header")
+    magic, version, _flags, fp, ns_id, n_tokens, payload_len = _HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise CorruptStateFile(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptStateFile(f"unknown format version {version}")
+    if not 0 < n_tokens <= MAX_STATE_TOKENS:
+        raise CorruptStateFile(f"token count {n_tokens} out of range")
+    if payload_len > max_payload:
+        raise CorruptStateFile(f"payload of {payload_len} bytes over the limit {max_payload}")
+    expected = _HEADER.size + 4 * n_tokens + payload_len + CHECKSUM_BYTES
+    if file_size != expected:
+        raise CorruptStateFile(f"file is {file_size} bytes, header says {expected}")
+    return fp, ns_id, n_tokens, payload_len
+
+
+def decode_state_file(
+    path: Path, *, max_payload: int, verify: bool = True
+) -> tuple[bytes, bytes, tuple[int, ...], bytearray | None]:
+    """Read ``path``: (fingerprint, ns_id, tokens, payload or None when ``verify`` is False).
+
+    Raises :class:`CorruptStateFile` for anything malformed, OSError for I/O failures.
+    """
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        head = f.read(_HEADER.size)
+        fp, ns_id, n_tokens, payload_len = _parse_header(head, file_size, max_payload)
+        tok_bytes = f.read(4 * n_tokens)
+        if len(tok_bytes) != 4 * n_tokens:
+            raise CorruptStateFile("truncated token ids")
+        tokens = struct.unpack(f"<{n_tokens}I", tok_bytes)
+        if not verify:
+            return fp, ns_id, tokens, None
+        payload = bytearray(payload_len)  # bytearray: the engine restores from it in place
+        got = f.readinto(payload)
+        trailer = f.read(CHECKSUM_BYTES + 1)
+    if got != payload_len or len(trailer) != CHECKSUM_BYTES:
+        raise CorruptStateFile("truncated payload")
+    if _checksum(head, tok_bytes, payload) != trailer:
+        raise CorruptStateFile("checksum mismatch")
+    return fp, ns_id, tokens, payload
+
+
+def _locked(method):
+    @wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _RamItem:
+    __slots__ = ("ns_id", "data")
+
+    def __init__(self, ns_id: bytes, data: bytes) -> None:
+        self.ns_id = ns_id
+        self.data = data
+
+
+class _DiskItem:
+    __slots__ = ("ns_id", "path")
+
+    def __init__(self, ns_id: bytes, path: Path) -> None:
+        self.ns_id = ns_id
+        self.path = path
+
+
+class Lease:
+    """A restorable state, pinned in the store until :meth:`release` (or ``with``)."""
+
+    def __init__(self, store: KVStore, tier: str, entry: Entry, length: int, data: bytes):
+        self.tier = tier  # "ram" | "disk" (where it was found)
+        self.length = length  # tokens of the query this state serves
+        self.tokens = entry.tokens[1:]  # the tokens the state holds
+        self.entry_tokens = len(self.tokens)  # >= length
+        self.data = data
+        self._store = store
+        self._entry: Entry | None = entry
+
+    def release(self) -> None:
+        if self._entry is not None:
+            entry, self._entry = self._entry, None
+            self._store._release(entry)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class KVStore:
+    def __init__(
+        self,
+        *,
+        fingerprint: bytes,
+        ram_budget_bytes: int,
+        disk_budget_bytes: int = 0,
+        disk_dir: str | os.PathLike[str] | None = None,
+        on_change: Callable[[StoreChange], None] | None = None,
+        verify_on_start: bool = True,
+        fsync: bool = True,
+    ) -> None:
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
+        self.fingerprint = fingerprint
+        self._lock = threading.RLock()
+        self._on_change = on_change
+        self._fsync = fsync
+        self._pending: list[StoreChange] = []
+        self._ns_token: dict[bytes, int] = {}
+        self._ram = RadixTree(ram_budget_bytes, on_evict=self._ram_evicted)
+        disk_budget = disk_budget_bytes if disk_dir is not None else 0
+        self._disk = RadixTree(disk_budget, on_evict=self._disk_evicted)
+        self._dropping: set[tuple[int, ...]] = set()  # keys removed on purpose: no demotion
+        self.stats = StoreStats(ram_budget_bytes=ram_budget_bytes, disk_budget_bytes=disk_budget)
+        self.model_dir: Path | None = None
+        if disk_dir is not None and disk_budget > 0:
+            self.model_dir = Path(disk_dir) / fingerprint.hex()[:32]
+            self.model_dir.mkdir(parents=True, exist_ok=True)
+            self._rebuild(verify_on_start)
+        self._flush_changes()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _key(self, ns_id: bytes, tokens: Sequence[int]) -> tuple[int, ...]:
+        if len(ns_id) != NS_ID_BYTES:
+            raise ValueError(f"namespace id must be {NS_ID_BYTES} bytes")
+        pseudo = self._ns_token.get(ns_id)
+        if pseudo is None:
+            pseudo = self._ns_token[ns_id] = -(len(self._ns_token) + 1)
+        return (pseudo, *tokens)
+
+    def _emit(self, kind: str, ns_id: bytes, key: tuple[int, ...]) -> None:
+        self._pending.append(StoreChange(kind, ns_id, tuple(key[1:])))
+
+    def _flush_changes(self) -> None:
+        while self._pending:
+            change = self._pending.pop(0)
+            if self._on_change is not None:
+                try:
+                    self._on_change(change)
+                except Exception:  # a listener's bug must not corrupt the store
+                    log.exception("KV store change listener failed")
+
+    def _update_sizes(self) -> None:
+        s = self.stats
+        s.ram_entries, s.ram_bytes = len(self._ram), self._ram.used_bytes
+        s.disk_entries, s.disk_bytes = len(self._disk), self._disk.used_bytes
+        s.ram_budget_bytes, s.disk_budget_bytes = (
+            self._ram.capacity_bytes,
+            self._disk.capacity_bytes,
+        )
+
+    def _path_for(self, ns_id: bytes, key: tuple[int, ...]) -> Path:
+        assert self.model_dir is not None
+        name = hashlib.blake2b(
+            ns_id + struct.pack(f"<{len(key) - 1}I", *key[1:]), digest_size=16
+        ).hexdigest()
+        return self.model_dir / ns_id.hex() / f"{name}.kv"
+
+    # ------------------------------------------------------------------ tree callbacks
+
+    def _ram_evicted(self, entry: Entry) -> None:
+        item: _RamItem = entry.payload
+        key = entry.tokens
+        if key in self._dropping or self._disk.get(key) is not None:
+            if self._disk.get(key) is None:
+                self._emit("remove", item.ns_id, key)
+            return
+        if self._write_disk(item.ns_id, key, item.data):
+            self.stats.demotions += 1
+        else:
+            self._emit("remove", item.ns_id, key)
+
+    def _disk_evicted(self, entry: Entry) -> None:
+        item: _DiskItem = entry.payload
+        try:
+            item.path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not delete KV state file %s: %s", item.path, exc)
+        if self._ram.get(entry.tokens) is None:
+            self._emit("remove", item.ns_id, entry.tokens)
+
+    # ------------------------------------------------------------------ disk
+
+    def _write_disk(self, ns_id: bytes, key: tuple[int, ...], data: bytes) -> bool:
+        """Write a state file and index it; False if it does not fit or the write failed."""
+        if self.model_dir is None:
+            return False
+        tokens = key[1:]
+        head, checksum = encode_state_file(self.fingerprint, ns_id, tokens, data)
+        size = len(head) + len(data) + len(checksum)
+        path = self._path_for(ns_id, key)
+        if self._disk.insert(key, _DiskItem(ns_id, path), size) is None:
+            return False
+        tmp_name = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".kv", dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(head)
+                f.write(data)
+                f.write(checksum)
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp_name, path)
+            tmp_name = None
+            if self._fsync:
+                _fsync_dir(path.parent)
+        except OSError as exc:
+            log.warning("could not write KV state file %s: %s", path, exc)
+            self.stats.disk_write_errors += 1
+            if tmp_name is not None:
+                Path(tmp_name).unlink(missing_ok=True)
+            self._disk.remove(key)
+            return False
+        self.stats.disk_writes += 1
+        return True
+
+    def _discard_file(self, path: Path, reason: str, *, foreign: bool = False) -> None:
+        log.warning("removing KV state file %s: %s", path, reason)
+        if foreign:
+            self.stats.foreign_files_removed += 1
+        else:
+            self.stats.corrupt_files_removed += 1
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not delete %s: %s", path, exc)
+
+    def _rebuild(self, verify: bool) -> None:
+        assert self.model_dir is not None
+        found: list[tuple[float, bytes, tuple[int, ...], Path, int]] = []
+        max_payload = self._disk.capacity_bytes
+        for ns_dir in sorted(self.model_dir.iterdir()):
+            try:
+                dir_ns = bytes.fromhex(ns_dir.name)
+            except ValueError:
+                dir_ns = b""
+            if not ns_dir.is_dir() or len(dir_ns) != NS_ID_BYTES:
+                log.warning("ignoring unexpected entry %s in the KV store", ns_dir)
+                continue
+            for path in sorted(ns_dir.iterdir()):
+                if path.name.startswith(".tmp-"):
+                    path.unlink(missing_ok=True)  # an interrupted write
+                    continue
+                if not path.name.endswith(".kv") or not path.is_file():
+                    continue
+                try:
+                    st = path.stat()
+                    fp, ns_id, tokens, _ = decode_state_file(
+                        path, max_payload=max_payload, verify=verify
+                    )
+                except CorruptStateFile as exc:
+                    self._discard_file(path, str(exc))
+                    continue
+                except OSError as exc:
+                    self._discard_file(path, f"unreadable: {exc}")
+                    continue
+                if fp != self.fingerprint:
+                    self._discard_file(path, "state of another model or layout", foreign=True)
+                    continue
+                key = self._key(ns_id, tokens)
+                if ns_id != dir_ns or self._path_for(ns_id, key) != path:
+                    self._discard_file(path, "file name or folder does not match its header")
+                    continue
+                found.append((st.st_mtime, ns_id, key, path, st.st_size))
+        found.sort(key=lambda f: f[0])  # oldest first: the newest end up most recently used
+        for _, ns_id, key, path, size in found:
+            if self._disk.insert(key, _DiskItem(ns_id, path), size) is None:
+                self._discard_file(path, "over the disk budget")
+                continue
+            self._emit("add", ns_id, key)
+        self._update_sizes()
+
+    def _read_disk(self, entry: Entry) -> bytes | None:
+        item: _DiskItem = entry.payload
+        try:
+            fp, ns_id, tokens, payload = decode_state_file(
+                item.path, max_payload=self._disk.capacity_bytes
+            )
+            if fp != self.fingerprint or ns_id != item.ns_id or tokens != entry.tokens[1:]:
+                raise CorruptStateFile("header does not match the index")
+        except (CorruptStateFile, OSError) as exc:
+            self._discard_file(item.path, f"unloadable: {exc}")
+            self._disk.remove(entry.tokens)
+            return None
+        try:
+            os.utime(item.path)  # recency survives restarts
+        except OSError:
+            pass
+        return payload
+
+    # ------------------------------------------------------------------ public API
+
+    @_locked
+    def lookup_length(self, ns_id: bytes, tokens: Sequence[int]) -> tuple[int, str | None]:
+        """How many tokens of ``tokens`` are cached (and where); touches LRU like ``acquire``."""
+        key = self._key(ns_id, tokens)
+        lr = self._ram.match(key).length - 1
+        ld = self._disk.match(key).length - 1
+        if max(lr, ld) <= 0:
+            return 0, None
+        return (lr, "ram") if lr >= ld else (ld, "disk")
+
+    @_locked
+    def acquire(self, ns_id: bytes, tokens: Sequence[int], *, min_tokens: int = 1) -> Lease | None:
+        """The longest cached prefix of ``tokens`` in namespace ``ns_id``, pinned, or None.
+
+        A disk hit is read, verified and promoted to RAM; a file that fails verification is
+        removed and the RAM/disk lookup repeats (so a corrupt file costs a miss, not an error).
+        """
+        try:
+            key = self._key(ns_id, tokens)
+            while True:
+                mr = self._ram.match(key)
+                md = self._disk.match(key)
+                lr, ld = mr.length - 1, md.length - 1
+                if max(lr, ld) < min_tokens:
+                    self.stats.misses += 1
+                    return None
+                if lr >= ld:
+                    self._ram.pin(mr.entry)
+                    self.stats.hits_ram += 1
+                    return Lease(self, "ram", mr.entry, lr, mr.entry.payload.data)
+                entry = md.entry
+                data = self._read_disk(entry)  # None: the file was bad and is gone now
+                if data is None:
+                    continue
+                self.stats.hits_disk += 1
+                # Promote: later hits are served from RAM; the file stays as the disk copy.
+                # The disk entry is pinned so that demotions caused by this insert cannot
+                # evict it.
+                self._disk.pin(entry)
+                try:
+                    ram_entry = self._ram.insert(
+                        entry.tokens,
+                        _RamItem(ns_id, data),
+                        len(data) + _RAM_TOKEN_OVERHEAD * len(entry.tokens),
+                    )
+                    if ram_entry is not None:
+                        self.stats.promotions += 1
+                        self._ram.pin(ram_entry)
+                        return Lease(self, "disk", ram_entry, ld, data)
+                    self._disk.pin(entry)
+                    return Lease(self, "disk", entry, ld, data)
+                finally:
+                    self._disk.unpin(entry)
+        finally:
+            self._update_sizes()
+            self._flush_changes()
+
+    @_locked
+    def _release(self, entry: Entry) -> None:
+        if entry.stored:
+            tree = self._ram if isinstance(entry.payload, _RamItem) else self._disk
+            tree.unpin(entry)
+
+    @_locked
+    def contains(self, ns_id: bytes, tokens: Sequence[int]) -> str | None:
+        """Tier holding exactly ``tokens`` ("ram" preferred), or None; no LRU touch."""
+        key = self._key(ns_id, tokens)
+        if self._ram.get(key) is not None:
+            return "ram"
+        if self._disk.get(key) is not None:
+            return "disk"
+        return None
+
+    @_locked
+    def covered(self, ns_id: bytes, tokens: Sequence[int]) -> bool:
+        """Whether some stored entry (either tier) starts with all of ``tokens``. No LRU touch."""
+        key = self._key(ns_id, tokens)
+        for tree in (self._ram, self._disk):
+            if tree.get(key) is not None:
+                return True
+        # match() touches LRU; acceptable for the "is it worth snapshotting" question, as
+        # the caller is about to use this prefix anyway.
+        return any(tree.match(key).length == len(key) for tree in (self._ram, self._disk))
+
+    @_locked
+    def put(self, ns_id: bytes, tokens: Sequence[int], data: bytes) -> bool:
+        """Store the state for exactly ``tokens``; False if it fits in neither tier."""
+        if not tokens:
+            raise ValueError("cannot store an empty prefix")
+        try:
+            key = self._key(ns_id, tokens)
+            was_cached = self._ram.get(key) is not None or self._disk.get(key) is not None
+            size = len(data) + _RAM_TOKEN_OVERHEAD * len(key)
+            ok = self._ram.insert(key, _RamItem(ns_id, data), size) is not None
+            stale = self._disk.get(key)
+            if ok and stale is not None and not stale.pins:
+                self._disk.remove(key)  # the new state replaces it; demotion rewrites it
+            if not ok and self._disk.get(key) is None:
+                ok = self._write_disk(ns_id, key, data)  # too big for RAM: straight to disk
+            if ok:
+                self.stats.puts += 1
+                if not was_cached:
+                    self._emit("add", ns_id, key)
+            return ok
+        finally:
+            self._update_sizes()
+            self._flush_changes()
+
+    @_locked
+    def remove(self, ns_id: bytes, tokens: Sequence[int]) -> bool:
+        """Drop ``tokens`` from both tiers (no demotion). False if absent; pinned: KVStoreError."""
+        try:
+            key = self._key(ns_id, tokens)
+            found = False
+            self._dropping.add(key)
+            try:
+                for tree in (self._ram, self._disk):
+                    entry = tree.get(key)
+                    if entry is not None:
+                        if entry.pins:
+                            raise KVStoreError("cannot remove a prefix that is in use")
+                        tree.remove(key)
+                        found = True
+            finally:
+                self._dropping.discard(key)
+            return found
+        finally:
+            self._update_sizes()
+            self._flush_changes()
+
+    @_locked
+    def flush_to_disk(self) -> int:
+        """Write every RAM entry that has no disk copy to disk (oldest first); returns count."""
+        written = 0
+        try:
+            if self.model_dir is None:
+                return 0
+            entries = sorted(self._ram.entries(), key=lambda e: e.last_used)
+            for entry in entries:
+                if entry.stored and self._disk.get(entry.tokens) is None:
+                    item: _RamItem = entry.payload
+                    if self._write_disk(item.ns_id, entry.tokens, item.data):
+                        written += 1
+            return written
+        finally:
+            self._update_sizes()
+            self._flush_changes()
+
+    @_locked
+    def prefixes(self) -> list[tuple[bytes, tuple[int, ...], str]]:
+        """Every cached prefix: (ns_id, tokens, tier) with tier "ram" if it is in RAM."""
+        inv = {v: k for k, v in self._ns_token.items()}
+        seen: dict[tuple[int, ...], str] = {}
+        for entry in self._disk.entries():
+            seen[entry.tokens] = "disk"
+        for entry in self._ram.entries():
+            seen[entry.tokens] = "ram"
+        return [(inv[k[0]], k[1:], tier) for k, tier in seen.items()]
+
+    @_locked
+    def set_budgets(self, *, ram_bytes: int | None = None, disk_bytes: int | None = None) -> None:
+        try:
+            if ram_bytes is not None:
+                self._ram.set_capacity(ram_bytes)
+            if disk_bytes is not None and self.model_dir is not None:
+                self._disk.set_capacity(disk_bytes)
+        finally:
+            self._update_sizes()
+            self._flush_changes()
+
+    @property
+    def ram_used_bytes(self) -> int:
+        return self._ram.used_bytes
+
+    @property
+    def disk_used_bytes(self) -> int:
+        return self._disk.used_bytes
+
+    @_locked
+    def pinned_bytes(self) -> tuple[int, int]:
+        return self._ram.pinned_bytes, self._disk.pinned_bytes
+
+    def _check_invariants(self) -> None:
+        """For tests: budgets hold and the disk index matches the files."""
+        self._ram._check_invariants()
+        self._disk._check_invariants()
+        if self.model_dir is not None:
+            files = {p for p in self.model_dir.glob("*/*.kv")}
+            indexed = {e.payload.path for e in self._disk.entries()}
+            assert files == indexed, (files ^ indexed)
+            assert sum(p.stat().st_size for p in files) == self._disk.used_bytes
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,314 @@
+"""KV store logic with synthetic state bytes (no llama): tiers, budgets, pins, events,
+namespaces, the disk format and its recovery from damaged files."""
+
+from __future__ import annotations
+
+import random
+import struct
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixmesh.inference.kvstore import (
+    CHECKSUM_BYTES,
+    KVStore,
+    KVStoreError,
+    StoreChange,
+    encode_state_file,
+)
+
+FP = bytes(range(32))
+OTHER_FP = bytes(32)
+NS_A = b"A" * 8
+NS_B = b"B" * 8
+
+
+def state_for(tokens, size=1000) -> bytes:
+    """Deterministic fake state bytes that name their tokens (so a wrong restore shows)."""
+    seed = struct.pack(f"<{len(tokens)}I", *tokens)
+    return (seed * (size // max(1, len(seed)) + 1))[:size]
+
+
+def make_store(tmp_path, *, ram=10_000, disk=50_000, events=None, fp=FP, **kw) -> KVStore:
+    return KVStore(
+        fingerprint=fp,
+        ram_budget_bytes=ram,
+        disk_budget_bytes=disk,
+        disk_dir=tmp_path / "kv",
+        on_change=(events.append if events is not None else None),
+        fsync=False,
+        **kw,
+    )
+
+
+def files(store: KVStore) -> list[Path]:
+    return sorted(store.model_dir.glob("*/*.kv"))
+
+
+def test_put_and_acquire_longest_prefix(tmp_path):
+    s = make_store(tmp_path)
+    assert s.put(NS_A, [1, 2, 3, 4], state_for([1, 2, 3, 4]))
+    assert s.put(NS_A, [1, 2], state_for([1, 2]))
+    with s.acquire(NS_A, [1, 2, 3, 4, 5]) as lease:
+        assert (lease.tier, lease.length, lease.entry_tokens) == ("ram", 4, 4)
+        assert lease.data == state_for([1, 2, 3, 4])
+    # a shorter match is served by the shortest entry that covers it
+    with s.acquire(NS_A, [1, 2, 9]) as lease:
+        assert (lease.length, lease.tokens) == (2, (1, 2))
+    with s.acquire(NS_A, [1, 2, 3, 9]) as lease:  # truncation of a longer entry
+        assert (lease.length, lease.tokens) == (3, (1, 2, 3, 4))
+    assert s.acquire(NS_A, [7, 8]) is None
+    assert s.stats.hits_ram == 3 and s.stats.misses == 1
+    s._check_invariants()
+
+
+def test_namespaces_never_share(tmp_path):
+    s = make_store(tmp_path)
+    s.put(NS_A, [1, 2, 3], state_for([1, 2, 3]))
+    assert s.acquire(NS_B, [1, 2, 3, 4]) is None
+    assert s.lookup_length(NS_B, [1, 2, 3]) == (0, None)
+    s.flush_to_disk()
+    s.set_budgets(ram_bytes=0)  # only the disk copy is left
+    assert s.acquire(NS_B, [1, 2, 3, 4]) is None
+    with s.acquire(NS_A, [1, 2, 3, 4]) as lease:
+        assert lease.tier == "disk" and lease.length == 3
+    # after a restart too
+    s2 = make_store(tmp_path)
+    assert s2.acquire(NS_B, [1, 2, 3]) is None
+    assert s2.acquire(NS_A, [1, 2, 3]).length == 3
+
+
+def test_demotion_promotion_and_events(tmp_path):
+    events: list[StoreChange] = []
+    s = make_store(tmp_path, ram=2 * 1100, disk=10_000, events=events)
+    for i in range(3):
+        s.put(NS_A, [i, i], state_for([i, i]))
+    # three adds; the first entry was demoted to disk (still cached: no remove)
+    assert [e.kind for e in events] == ["add"] * 3
+    assert s.contains(NS_A, [0, 0]) == "disk"
+    assert s.stats.demotions == 1
+    with s.acquire(NS_A, [0, 0, 5]) as lease:
+        assert lease.tier == "disk" and lease.data == state_for([0, 0])
+    assert s.contains(NS_A, [0, 0]) == "ram"  # promoted, file kept
+    assert s.stats.promotions == 1
+    assert [e.kind for e in events] == ["add"] * 3
+    s._check_invariants()
+
+
+def test_remove_event_when_leaving_both_tiers(tmp_path):
+    events: list[StoreChange] = []
+    s = make_store(tmp_path, ram=1100, disk=0, events=events)  # no disk tier at all
+    s.put(NS_A, [1], state_for([1]))
+    s.put(NS_A, [2], state_for([2]))
+    assert events == [
+        StoreChange("add", NS_A, (1,)),
+        StoreChange("remove", NS_A, (1,)),  # evicted to make room, before the add
+        StoreChange("add", NS_A, (2,)),
+    ]
+    assert s.remove(NS_A, [2])
+    assert events[-1] == StoreChange("remove", NS_A, (2,))
+    assert not s.remove(NS_A, [2])
+
+
+def test_budgets_hold_for_200_prefixes_and_pins_survive(tmp_path):
+    events: list[StoreChange] = []
+    s = make_store(tmp_path, ram=8 * 1100, disk=20 * 1200, events=events)
+    s.put(NS_A, [999, 1], state_for([999, 1]))
+    lease = s.acquire(NS_A, [999, 1, 5])
+    rng = random.Random(1)
+    cached: set[tuple] = set()
+    for i in range(200):
+        toks = [i, rng.randrange(1000), rng.randrange(1000)]
+        ns = NS_A if i % 2 else NS_B
+        assert s.put(ns, toks, state_for(toks, 900 + rng.randrange(200)))
+        assert s.ram_used_bytes <= 8 * 1100
+        assert s.disk_used_bytes <= 20 * 1200
+        # the pinned entry is never evicted from RAM while the lease is held
+        assert s.contains(NS_A, [999, 1]) == "ram"
+    s._check_invariants()
+    lease.release()
+    for e in events:
+        key = (e.ns_id, e.tokens)
+        if e.kind == "add":
+            cached.add(key)
+        else:
+            cached.discard(key)
+    live = {(nid, toks) for nid, toks, _ in s.prefixes()}
+    assert cached == live
+    assert 10 < len(live) < 40  # both tiers hold some; most were evicted
+    # after release the formerly pinned entry can be evicted like any other
+    for i in range(30):
+        s.put(NS_B, [5000 + i], state_for([5000 + i]))
+    assert s.contains(NS_A, [999, 1]) != "ram"
+    s._check_invariants()
+
+
+def test_pinned_entry_cannot_be_removed(tmp_path):
+    s = make_store(tmp_path)
+    s.put(NS_A, [1, 2], state_for([1, 2]))
+    with s.acquire(NS_A, [1, 2]):
+        with pytest.raises(KVStoreError, match="in use"):
+            s.remove(NS_A, [1, 2])
+    assert s.remove(NS_A, [1, 2])
+
+
+def test_too_big_for_ram_goes_to_disk(tmp_path):
+    s = make_store(tmp_path, ram=500, disk=10_000)
+    assert s.put(NS_A, [1, 2, 3], state_for([1, 2, 3], 2000))
+    assert s.contains(NS_A, [1, 2, 3]) == "disk"
+    s2 = make_store(tmp_path, ram=500, disk=1000)  # now too big for both
+    assert s2.contains(NS_A, [1, 2, 3]) is None
+    assert not s2.put(NS_A, [4], state_for([4], 2000))
+
+
+def test_restart_rebuilds_index_and_recency(tmp_path):
+    s = make_store(tmp_path, ram=100_000, disk=100_000)
+    for i in range(5):
+        s.put(NS_A, [i, 1, 2], state_for([i, 1, 2]))
+    assert s.flush_to_disk() == 5
+    assert len(files(s)) == 5
+    events: list[StoreChange] = []
+    s2 = make_store(tmp_path, ram=100_000, disk=100_000, events=events)
+    assert sorted(e.tokens for e in events) == [(i, 1, 2) for i in range(5)]
+    assert all(e.kind == "add" for e in events)
+    with s2.acquire(NS_A, [3, 1, 2, 9]) as lease:
+        assert lease.tier == "disk" and lease.data == state_for([3, 1, 2])
+    s2._check_invariants()
+
+
+def _damage(path: Path, how: str) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(raw[: len(raw) - 7]))
+    elif how == "flip-payload":
+        raw[len(raw) - CHECKSUM_BYTES - 10] ^= 0x01
+        path.write_bytes(bytes(raw))
+    elif how == "flip-magic":
+        raw[0] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    elif how == "empty":
+        path.write_bytes(b"")
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip-payload", "flip-magic", "empty"])
+def test_corrupt_files_are_removed_on_start(tmp_path, how, caplog):
+    s = make_store(tmp_path)
+    s.put(NS_A, [1, 2, 3], state_for([1, 2, 3]))
+    s.put(NS_A, [4, 5, 6], state_for([4, 5, 6]))
+    s.flush_to_disk()
+    bad = s._disk.get(s._key(NS_A, [1, 2, 3])).payload.path
+    _damage(bad, how)
+    s2 = make_store(tmp_path)
+    assert s2.stats.corrupt_files_removed == 1
+    assert not bad.exists()
+    assert s2.acquire(NS_A, [1, 2, 3]) is None
+    assert s2.acquire(NS_A, [4, 5, 6]).length == 3
+    assert "removing KV state file" in caplog.text
+    s2._check_invariants()
+
+
+def test_corruption_after_start_is_caught_on_load(tmp_path):
+    s = make_store(tmp_path, verify_on_start=False)
+    s.put(NS_A, [1, 2, 3], state_for([1, 2, 3]))
+    s.put(NS_A, [1, 2], state_for([1, 2]))
+    s.flush_to_disk()
+    s2 = make_store(tmp_path, verify_on_start=False)
+    bad = s2._disk.get(s2._key(NS_A, [1, 2, 3])).payload.path
+    _damage(bad, "flip-payload")
+    # the damaged longer entry is dropped; the lookup falls back to the intact shorter one
+    with s2.acquire(NS_A, [1, 2, 3, 4]) as lease:
+        assert lease.tokens == (1, 2) and lease.data == state_for([1, 2])
+    assert s2.stats.corrupt_files_removed == 1 and not bad.exists()
+    s2._check_invariants()
+
+
+def test_foreign_and_misplaced_files_are_removed(tmp_path):
+    s = make_store(tmp_path)
+    s.put(NS_A, [1, 2, 3], state_for([1, 2, 3]))
+    s.flush_to_disk()
+    good = files(s)[0]
+    # a file of another model (valid checksum) dropped into our folder
+    head, chk = encode_state_file(OTHER_FP, NS_A, [7, 7], b"x" * 50)
+    foreign = good.parent / ("0" * 32 + ".kv")
+    foreign.write_bytes(head + b"x" * 50 + chk)
+    # a valid file of ours under the wrong namespace folder
+    misplaced_dir = s.model_dir / NS_B.hex()
+    misplaced_dir.mkdir()
+    misplaced = misplaced_dir / good.name
+    misplaced.write_bytes(good.read_bytes())
+    # a leftover temp file of an interrupted write
+    tmp = good.parent / ".tmp-abc.kv"
+    tmp.write_bytes(b"partial")
+    s2 = make_store(tmp_path)
+    assert s2.stats.foreign_files_removed == 1
+    assert s2.stats.corrupt_files_removed == 1
+    assert not foreign.exists() and not misplaced.exists() and not tmp.exists()
+    assert good.exists() and s2.acquire(NS_A, [1, 2, 3]).length == 3
+    # another model's own folder is left alone (its engine may run later)
+    s3 = make_store(tmp_path, fp=OTHER_FP)
+    assert s3.model_dir != s2.model_dir and good.exists()
+
+
+def test_oversize_header_fields_are_refused(tmp_path):
+    s = make_store(tmp_path, disk=5000)
+    ns_dir = s.model_dir / NS_A.hex()
+    ns_dir.mkdir(parents=True)
+    # header claims an enormous payload: refused from the header alone, never read
+    head, chk = encode_state_file(FP, NS_A, [1], b"y" * 10)
+    huge = bytearray(head)
+    struct.pack_into("<Q", huge, 52, 1 << 40)
+    p = ns_dir / ("1" * 32 + ".kv")
+    p.write_bytes(bytes(huge) + b"y" * 10 + chk)
+    s2 = make_store(tmp_path, disk=5000)
+    assert s2.stats.corrupt_files_removed == 1 and not p.exists()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "acquire", "remove", "flush", "restart"]),
+            st.sampled_from([NS_A, NS_B]),
+            st.lists(st.integers(0, 3), min_size=1, max_size=5),
+            st.integers(100, 3000),
+        ),
+        max_size=40,
+    )
+)
+def test_property_budgets_events_and_isolation(ops):
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        events: list[StoreChange] = []
+        s = make_store(root, ram=4000, disk=9000, events=events)
+        model: dict[tuple, bytes] = {}  # what any restore may return, per (ns, tokens)
+        for op, ns, toks, size in ops:
+            if op == "put":
+                data = state_for(toks, size) + ns
+                if s.put(ns, toks, data):
+                    model[(ns, tuple(toks))] = data
+            elif op == "acquire":
+                lease = s.acquire(ns, toks)
+                if lease is not None:
+                    with lease:
+                        # the state belongs to this namespace and extends the query's prefix
+                        assert lease.data == model[(ns, lease.tokens)]
+                        assert tuple(lease.tokens[: lease.length]) == tuple(toks[: lease.length])
+            elif op == "remove":
+                s.remove(ns, toks)
+            elif op == "flush":
+                s.flush_to_disk()
+            else:
+                events.clear()
+                s = make_store(root, ram=4000, disk=9000, events=events)
+            assert s.ram_used_bytes <= 4000 and s.disk_used_bytes <= 9000
+            s._check_invariants()
+            # events describe exactly the cached set (since the last restart)
+        cached: set = set()
+        for e in events:
+            (cached.add if e.kind == "add" else cached.discard)((e.ns_id, e.tokens))
+        assert cached == {(nid, t) for nid, t, _ in s.prefixes()}
