@@ -1,0 +1,954 @@
+"""OpenAI-compatible HTTP gateway of a node (``prefixmesh node --http 127.0.0.1:8080``).
+
+Endpoints
+    ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions`` and
+    ``POST /v1/completions`` (streaming as server-sent events ending in ``data: [DONE]``, or
+    one JSON answer), ``GET /prefixmesh/status`` (the node's in-flight requests and engine
+    load, for operators and tests) and ``GET /healthz`` (no key needed).
+
+How a request enters the mesh
+    Exactly like a CLI client's: the gateway builds a ``/prefixmesh/infer`` REQUEST
+    (namespace id, per-request credential, token ids, sampling, absolute deadline, hop
+    budget) and hands it to the node's own request pipeline
+    (:meth:`prefixmesh.overlay.infer.InferService.process`, the function the infer
+    protocol handler calls for a stream from a client), so it is routed hop by hop and
+    answered by whichever node holds the prefix. The prompt is tokenized here, once (the
+    entry node does it anyway), which gives exact ``prompt_tokens`` and lets
+    ``/v1/completions`` send a raw prompt string.
+
+Cancellation
+    The frames of a request flow through a bounded memory channel from the pipeline task to
+    the HTTP response. A task watches the ASGI ``receive`` channel; ``http.disconnect``
+    (client gone) cancels the scope that runs the pipeline. The pipeline then resets the
+    stream to the next hop (whose write fails, which cancels its own pipeline and engine
+    request) or closes its local engine generation. Stop sequences (``stop``) are applied
+    here (:class:`~prefixmesh.node.openai_schema.StopScanner`) and end the generation the
+    same way. No work continues for nobody.
+
+Authentication and tenants
+    ``Authorization: Bearer KEY``. With no key configured (only allowed on a loopback
+    address) every request is accepted. A key may be bound to one tenant (namespace); the
+    ``x-prefixmesh-tenant`` header picks a tenant among those the key may use (an unbound
+    key: every configured tenant). Without header, a bound key uses its tenant, others
+    the default tenant (``[client].tenant`` if configured, else the first tenant).
+
+Limits
+    Request bodies: :data:`~prefixmesh.node.openai_schema.MAX_BODY_BYTES` (1 MiB), checked
+    against ``Content-Length`` before reading and counted while reading (never buffered
+    beyond the limit; an oversize body is read and discarded up to
+    :data:`DRAIN_LIMIT_BYTES` so the client sees the 413 rather than a reset connection),
+    within :data:`BODY_TIMEOUT_S`. At most ``max_concurrent`` generations at once (503
+    beyond). Every request runs under its deadline (``[routing].deadline_s``).
+
+Errors
+    OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}``: 400 malformed
+    or invalid body, 401 missing/wrong key, 403 tenant not allowed for the key, 404
+    unknown path/model/tenant, 405 wrong method, 408 body too slow, 413 body too large,
+    500 engine failure, 502 upstream failed mid-stream, 503 no capacity (engine busy, no
+    route, shutting down), 504 deadline. After a stream has started, an error is sent as
+    one ``data: {"error": ...}`` event and the stream ends without ``[DONE]``.
+
+The route trace of an answer is in the ``prefixmesh`` field of the response (and of the
+last stream chunks), which standard clients ignore; non-streaming answers also carry it
+compactly in the ``x-prefixmesh-route`` header.
+
+HTTP stack: hypercorn's trio worker (``hypercorn.trio.serve``) runs :class:`GatewayApp`, a
+small ASGI application, in the node's own trio event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from prefixmesh.overlay import wire
+
+from .openai_schema import (
+    MAX_BODY_BYTES,
+    SSE_DONE,
+    ApiError,
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    DeadlineExceeded,
+    InternalError,
+    MethodNotAllowed,
+    NoCapacity,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    SamplingOptions,
+    StopScanner,
+    Unauthorized,
+    UpstreamError,
+    Usage,
+    chat_chunk_object,
+    chat_completion_object,
+    completion_chunk_object,
+    completion_object,
+    models_object,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+    sse_event,
+)
+
+__all__ = [
+    "DRAIN_LIMIT_BYTES",
+    "BODY_TIMEOUT_S",
+    "TENANT_HEADER",
+    "ROUTE_HEADER",
+    "GatewayConfigError",
+    "GatewaySettings",
+    "GenerationJob",
+    "Started",
+    "TextDelta",
+    "Finished",
+    "GatewayBackend",
+    "GatewayApp",
+    "NodeGatewayBackend",
+    "RequestTimeout",
+    "resolve_tenant",
+    "check_bind",
+    "settings_from_config",
+    "serve_http",
+    "serve_node_http",
+    "route_json",
+]
+
+log = logging.getLogger("prefixmesh.http")
+
+#: an oversize body is read and discarded up to this many bytes before answering 413
+DRAIN_LIMIT_BYTES = 8 * 1024 * 1024
+#: the whole request body must arrive within this many seconds (else 408)
+BODY_TIMEOUT_S = 30.0
+TENANT_HEADER = "x-prefixmesh-tenant"
+ROUTE_HEADER = "x-prefixmesh-route"
+_EVENT_BUFFER = 16  # frames between the node pipeline and the HTTP response (backpressure)
+_GRACE_S = 5.0  # beyond the request deadline before the gateway gives up by itself
+
+
+class GatewayConfigError(ValueError):
+    """The gateway cannot start with these settings (message says why)."""
+
+
+class RequestTimeout(ApiError):
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+# --- settings ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    listen: str = "127.0.0.1:8080"  # HOST:PORT or [V6]:PORT; port 0 picks a free port
+    # API key -> tenant it is bound to (None: any configured tenant). Empty: no key needed
+    # (only allowed on a loopback address, see check_bind).
+    api_keys: Mapping[str, str | None] = field(default_factory=dict, repr=False)
+    default_tenant: str = "public"
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
+    deadline_s: float = 60.0
+    default_max_tokens: int = 512
+    max_concurrent: int = 32
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise GatewayConfigError(f'"{listen}" is not HOST:PORT (e.g. "127.0.0.1:8080")')
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(settings: GatewaySettings) -> None:
+    """Refuse a gateway reachable from other machines without an API key."""
+    host, port = _split_listen(settings.listen)
+    if not 0 <= port <= 65535:
+        raise GatewayConfigError(f'"{settings.listen}": port out of range')
+    if not _is_loopback(host) and not settings.api_keys:
+        raise GatewayConfigError(
+            f'HTTP gateway on "{settings.listen}" is reachable from other machines; '
+            "set [http].api_key (or bind to 127.0.0.1)")
+    if any(not k for k in settings.api_keys):
+        raise GatewayConfigError("an API key must not be empty")
+
+
+def settings_from_config(cfg: Any) -> GatewaySettings:
+    """Gateway settings from a :class:`prefixmesh.node.config.Config`.
+
+    Reads ``[http].listen``, ``[http].api_key`` (unbound: any tenant) and, when the config
+    model has it, ``[http].keys`` (a table KEY = TENANT binding keys to tenants)."""
+    keys: dict[str, str | None] = {}
+    if cfg.http.api_key:
+        keys[cfg.http.api_key] = None
+    for key, tenant in dict(getattr(cfg.http, "keys", None) or {}).items():
+        keys[str(key)] = str(tenant)
+    names = [s.name for s in cfg.tenant_specs()]
+    default = cfg.client.tenant if cfg.client.tenant in names else names[0]
+    return GatewaySettings(
+        listen=cfg.http.listen,
+        api_keys=keys,
+        default_tenant=default,
+        deadline_s=float(cfg.routing.deadline_s),
+        default_max_tokens=int(cfg.client.max_tokens),
+    )
+
+
+# --- the backend interface ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One generation, as the gateway asks for it (already validated)."""
+
+    tenant: str
+    sampling: SamplingOptions
+    deadline_s: float  # relative: seconds from now
+    messages: tuple[tuple[str, str], ...] = ()  # chat: rendered with the model's template
+    prompt: str | None = None  # completions: raw text, tokenized as is
+
+
+@dataclass(frozen=True)
+class Started:
+    """The prompt is tokenized and the request has entered the mesh."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    tokens: int  # generated tokens this text stands for
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+    route: dict[str, Any] | None = None  # route_json(final)
+
+
+GatewayEvent = Started | TextDelta | Finished
+
+
+class GatewayBackend(Protocol):
+    """What the HTTP layer needs from a node (a fake one in unit tests)."""
+
+    def model_ids(self) -> list[str]: ...
+
+    def tenant_names(self) -> list[str]: ...
+
+    def generation(self, job: GenerationJob) -> contextlib.AbstractAsyncContextManager[
+            AsyncIterator[GatewayEvent]]:
+        """``async with backend.generation(job) as events: async for ev in events: ...``
+
+        Yields one :class:`Started`, :class:`TextDelta` s, then one :class:`Finished`; a
+        failure is an :class:`ApiError` raised from the iteration (or from entering).
+        Leaving the ``async with`` early cancels the generation wherever it runs."""
+        ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+# --- tenant resolution (pure) ----------------------------------------------------------
+
+
+def _match_key(api_keys: Mapping[str, str | None], presented: str) -> str | None:
+    """The configured key equal to ``presented`` (compared in constant time), or None."""
+    found = None
+    for key in api_keys:
+        if hmac.compare_digest(key.encode(), presented.encode()):
+            found = key
+    return found
+
+
+def resolve_tenant(settings: GatewaySettings, authorization: str | None,
+                   tenant_header: str | None, known_tenants: Sequence[str]) -> str:
+    """The tenant a request runs in; raises :class:`Unauthorized`, :class:`PermissionDenied`
+    or :class:`NotFound`."""
+    bound: str | None = None
+    if settings.api_keys:
+        if not authorization:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer KEY'",
+                               code="missing_api_key")
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("malformed Authorization header: expected 'Bearer KEY'")
+        key = _match_key(settings.api_keys, token.strip())
+        if key is None:
+            raise Unauthorized("invalid API key")
+        bound = settings.api_keys[key]
+    if tenant_header:
+        name = tenant_header.strip()
+        if bound is not None and name != bound:
+            raise PermissionDenied(f"this API key may not use tenant {name!r}")
+        if name not in known_tenants:
+            raise NotFound(f"tenant {name!r} is not configured on this node",
+                           param=TENANT_HEADER, code="tenant_not_found")
+        return name
+    name = bound if bound is not None else settings.default_tenant
+    if name not in known_tenants:
+        raise NotFound(f"tenant {name!r} is not configured on this node",
+                       code="tenant_not_found")
+    return name
+
+
+# --- the ASGI application ----------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+def _headers(scope: Mapping[str, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in scope.get("headers", ()):
+        out[name.decode("latin-1").lower()] = value.decode("latin-1")
+    return out
+
+
+class _Sender:
+    """The ASGI ``send`` callable, remembering how far the response got."""
+
+    def __init__(self, send):
+        self._send = send
+        self.started = False  # http.response.start sent
+        self.finishing = False  # the last body message is being (or has been) sent
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            self.finishing = True
+        await self._send(message)
+
+
+@dataclass
+class _Outcome:
+    finish_reason: str
+    usage: Usage
+    route: dict[str, Any] | None
+    partial: bool = False  # ended at a stop sequence: usage counted here, no route trace
+
+
+class GatewayApp:
+    """The ASGI application (one instance per gateway)."""
+
+    def __init__(self, backend: GatewayBackend, settings: GatewaySettings, *,
+                 clock: Callable[[], float] = time.time):
+        self.backend = backend
+        self.settings = settings
+        self.clock = clock
+        self.active = 0  # generations in flight through this gateway
+        self.stats = {"requests": 0, "errors": 0, "disconnects": 0, "stopped_at_sequence": 0}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        self.stats["requests"] += 1
+        sender = _Sender(send)
+        try:
+            await self._dispatch(scope, receive, sender)
+        except _ClientGone:
+            self.stats["disconnects"] += 1
+        except ApiError as exc:
+            self.stats["errors"] += 1
+            if not sender.started:
+                await _send_json(sender, exc.status, exc.body(), _allow_header(exc))
+        except Exception:
+            log.exception("HTTP gateway: unexpected error")
+            self.stats["errors"] += 1
+            if not sender.started:
+                await _send_json(sender, 500, InternalError("internal error").body())
+
+    async def _dispatch(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        method = scope.get("method", "GET")
+        headers = _headers(scope)
+        if path == "/healthz":
+            _method(method, "GET")
+            await _send_json(send, 200, {"ok": True})
+            return
+        routes = {"/v1/models": "GET", "/v1/chat/completions": "POST",
+                  "/v1/completions": "POST", "/prefixmesh/status": "GET"}
+        if path in routes:
+            want = routes[path]
+        elif path.startswith("/v1/models/"):
+            want = "GET"
+        else:
+            await _drain(receive, DRAIN_LIMIT_BYTES, 2.0)
+            raise NotFound(f"no such endpoint: {method} {path}", code="unknown_url")
+        if method != want:
+            await _drain(receive, DRAIN_LIMIT_BYTES, 2.0)
+            _method(method, want)
+        try:
+            tenant = resolve_tenant(self.settings, headers.get("authorization"),
+                                    headers.get(TENANT_HEADER), self.backend.tenant_names())
+        except ApiError:
+            await _drain(receive, DRAIN_LIMIT_BYTES, 2.0)
+            raise
+        if path == "/v1/models":
+            await _send_json(send, 200, models_object(self.backend.model_ids()))
+        elif path.startswith("/v1/models/"):
+            model = path[len("/v1/models/"):]
+            if model not in self.backend.model_ids():
+                raise NotFound(f"model {model!r} does not exist", param="model",
+                               code="model_not_found")
+            await _send_json(send, 200, models_object([model])["data"][0])
+        elif path == "/prefixmesh/status":
+            status = dict(self.backend.status())
+            status["gateway"] = {"active": self.active, **self.stats}
+            await _send_json(send, 200, status)
+        else:
+            body = await self._read_body(receive, headers)
+            obj = parse_json_body(body)
+            s = self.settings
+            if path == "/v1/chat/completions":
+                req: ChatRequest | CompletionRequest = parse_chat_request(
+                    obj, default_max_tokens=s.default_max_tokens)
+                job = GenerationJob(tenant=tenant, sampling=req.sampling,
+                                    deadline_s=s.deadline_s, messages=req.messages)
+            else:
+                req = parse_completion_request(obj, default_max_tokens=s.default_max_tokens)
+                job = GenerationJob(tenant=tenant, sampling=req.sampling,
+                                    deadline_s=s.deadline_s, prompt=req.prompt)
+            if req.model not in self.backend.model_ids():
+                raise NotFound(f"model {req.model!r} does not exist (see GET /v1/models)",
+                               param="model", code="model_not_found")
+            if self.active >= s.max_concurrent:
+                raise NoCapacity(f"the gateway is serving {self.active} requests, its limit")
+            self.active += 1
+            try:
+                await self._generate(req, job, receive, send)
+            finally:
+                self.active -= 1
+
+    async def _read_body(self, receive, headers: Mapping[str, str]) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            await _drain(receive, DRAIN_LIMIT_BYTES, 5.0)
+            raise PayloadTooLarge(f"request body of {int(declared)} bytes exceeds the "
+                                  f"{limit}-byte limit")
+        chunks: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self.settings.body_timeout_s) as timer:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise _ClientGone()
+                data = msg.get("body", b"")
+                size += len(data)
+                if size > limit:
+                    chunks.clear()
+                    break
+                chunks.append(data)
+                if not msg.get("more_body", False):
+                    break
+        if size > limit:
+            await _drain(receive, DRAIN_LIMIT_BYTES - size, 5.0)
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        if timer.cancelled_caught:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self.settings.body_timeout_s:g} s")
+        return b"".join(chunks)
+
+    # --- generation ----------------------------------------------------------------------
+
+    async def _generate(self, req, job: GenerationJob, receive, send) -> None:
+        chat = isinstance(req, ChatRequest)
+        rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
+        created = int(self.clock())
+        gone = {"flag": False}
+        raised: Exception | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def watch_disconnect() -> None:
+                while True:
+                    msg = await receive()
+                    # hypercorn reports http.disconnect as soon as the last body message
+                    # is written, before that send returns: that is no disconnect
+                    if msg["type"] == "http.disconnect" and not send.finishing:
+                        gone["flag"] = True
+                        nursery.cancel_scope.cancel()
+                        return
+                    if msg["type"] == "http.disconnect":
+                        return
+
+            nursery.start_soon(watch_disconnect)
+            answered = False
+            try:
+                if req.stream:
+                    await self._stream(req, job, rid, created, send)
+                else:
+                    await self._complete(req, job, rid, created, send)
+                answered = True
+            except Exception as exc:  # re-raised below, outside the nursery (no group)
+                raised = exc
+            nursery.cancel_scope.cancel()
+        if gone["flag"] and not answered:
+            raise _ClientGone()
+        if raised is not None:
+            raise raised
+
+    async def _run(self, job: GenerationJob, on_text: Callable[[str], Awaitable[None]]
+                   ) -> _Outcome:
+        """Run one generation, passing text (stop sequences applied) to ``on_text``."""
+        scanner = StopScanner(job.sampling.stop)
+        prompt_tokens = 0
+        generated = 0
+        outcome: _Outcome | None = None
+        with trio.move_on_after(job.deadline_s + _GRACE_S) as overall:
+            async with self.backend.generation(job) as events:
+                async for ev in events:
+                    if isinstance(ev, Started):
+                        prompt_tokens = ev.prompt_tokens
+                    elif isinstance(ev, TextDelta):
+                        generated += ev.tokens
+                        text = scanner.feed(ev.text)
+                        if text:
+                            await on_text(text)
+                        if scanner.stopped:
+                            break  # leaving the context cancels the generation
+                    elif isinstance(ev, Finished):
+                        rest = scanner.flush()
+                        if rest:
+                            await on_text(rest)
+                        outcome = _Outcome(ev.finish_reason, ev.usage, ev.route)
+                        break
+        if outcome is not None:
+            return outcome
+        if scanner.stopped:
+            self.stats["stopped_at_sequence"] += 1
+            return _Outcome("stop", Usage(prompt_tokens, generated, 0), None, partial=True)
+        if overall.cancelled_caught:
+            raise DeadlineExceeded(f"no answer within {job.deadline_s:g} s")
+        raise UpstreamError("the generation ended without a final answer")
+
+    async def _complete(self, req, job: GenerationJob, rid: str, created: int, send) -> None:
+        parts: list[str] = []
+
+        async def collect(text: str) -> None:
+            parts.append(text)
+
+        out = await self._run(job, collect)
+        text = "".join(parts)
+        ext = _ext(out)
+        if isinstance(req, ChatRequest):
+            body = chat_completion_object(id=rid, created=created, model=req.model, text=text,
+                                          finish_reason=out.finish_reason, usage=out.usage,
+                                          ext=ext)
+        else:
+            body = completion_object(id=rid, created=created, model=req.model, text=text,
+                                     finish_reason=out.finish_reason, usage=out.usage, ext=ext)
+        extra: list[tuple[bytes, bytes]] = []
+        if out.route is not None:
+            extra.append((ROUTE_HEADER.encode(), _route_header(out.route)))
+        await _send_json(send, 200, body, extra)
+
+    async def _stream(self, req, job: GenerationJob, rid: str, created: int, send) -> None:
+        chat = isinstance(req, ChatRequest)
+        model = req.model
+        state = {"started": False, "role_sent": False}
+
+        async def start() -> None:
+            if not state["started"]:
+                state["started"] = True
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ]})
+
+        async def event(obj: Mapping[str, Any]) -> None:
+            await start()
+            await send({"type": "http.response.body", "body": sse_event(obj),
+                        "more_body": True})
+
+        def chunk(delta=None, text=None, finish=None, usage=None, ext=None, usage_chunk=False):
+            if chat:
+                return chat_chunk_object(
+                    id=rid, created=created, model=model,
+                    delta=None if usage_chunk else (delta or {}), finish_reason=finish,
+                    usage=usage, include_usage_field=req.include_usage, ext=ext)
+            return completion_chunk_object(
+                id=rid, created=created, model=model, text=None if usage_chunk else (text or ""),
+                finish_reason=finish, usage=usage, ext=ext)
+
+        async def on_text(text: str) -> None:
+            if chat and not state["role_sent"]:
+                state["role_sent"] = True
+                await event(chunk(delta={"role": "assistant", "content": ""}))
+            await event(chunk(delta={"content": text}, text=text))
+
+        try:
+            out = await self._run(job, on_text)
+        except ApiError as exc:
+            if not state["started"]:
+                raise
+            self.stats["errors"] += 1
+            await send({"type": "http.response.body", "body": sse_event(exc.body()),
+                        "more_body": False})
+            return
+        ext = _ext(out)
+        if chat and not state["role_sent"]:
+            await event(chunk(delta={"role": "assistant", "content": ""}))
+        await event(chunk(delta={}, finish=out.finish_reason, ext=ext))
+        if req.include_usage:
+            await event(chunk(usage=out.usage, ext=ext, usage_chunk=True))
+        await start()
+        await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+
+
+def _ext(out: _Outcome) -> dict[str, Any]:
+    ext: dict[str, Any] = {"route": out.route}
+    if out.partial:
+        ext["stopped_at_gateway"] = True  # cached_tokens and route unknown (see docs)
+    return ext
+
+
+def _method(method: str, want: str) -> None:
+    if method != want:
+        exc = MethodNotAllowed(f"method {method} not allowed here (use {want})")
+        exc.allow = want  # type: ignore[attr-defined]
+        raise exc
+
+
+def _allow_header(exc: ApiError) -> list[tuple[bytes, bytes]]:
+    allow = getattr(exc, "allow", None)
+    return [(b"allow", allow.encode())] if allow else []
+
+
+async def _send_json(send, status: int, obj: Any,
+                     extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra_headers,
+    ]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _drain(receive, limit: int, timeout_s: float) -> None:
+    """Read and discard the rest of a request body (bounded in bytes and time), so that
+    the client, still sending, reads our error answer instead of a reset connection."""
+    seen = 0
+    with trio.move_on_after(timeout_s):
+        while seen <= limit:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            seen += len(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return
+
+
+def _route_header(route: Mapping[str, Any]) -> bytes:
+    """The route trace without free-text reasons, as compact ASCII JSON."""
+    compact = {
+        "entry": route.get("entry"),
+        "serving": route.get("serving"),
+        "hops": [{k: v for k, v in hop.items() if k in ("peer", "action", "next", "matched")}
+                 for hop in route.get("hops", [])],
+    }
+    return json.dumps(compact, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+# --- the real node -----------------------------------------------------------------------
+
+
+def route_json(final) -> dict[str, Any]:
+    """A ``wire.Final``'s route trace as JSON-able data (peer ids in base58)."""
+    from prefixmesh.overlay.identity import peer_id_to_b58
+
+    def b58(pid: bytes) -> str | None:
+        try:
+            return peer_id_to_b58(pid) if pid else None
+        except Exception:  # a malformed id from a peer: show it raw
+            return pid.hex()
+
+    def ms(x: float) -> float | None:
+        return round(x, 2) if x >= 0 and math.isfinite(x) else None
+
+    hops = []
+    for h in final.hops:
+        hop: dict[str, Any] = {"peer": b58(h.peer), "action": h.action, "reason": h.reason,
+                               "matched": h.local_matched_tokens, "ttft_ms": ms(h.ttft_ms)}
+        if h.next_peer:
+            hop["next"] = b58(h.next_peer)
+        hops.append(hop)
+    return {"entry": b58(final.entry), "serving": b58(final.serving),
+            "ttft_ms": ms(final.ttft_ms), "total_ms": ms(final.total_ms), "hops": hops}
+
+
+_WIRE_ERRORS: dict[str, type[ApiError]] = {
+    "bad_request": BadRequest,
+    "unauthorized": Unauthorized,
+    "unknown_namespace": NotFound,
+    "overloaded": NoCapacity,
+    "no_route": NoCapacity,
+    "shutting_down": NoCapacity,
+    "deadline": DeadlineExceeded,
+    "upstream_failed": UpstreamError,
+    "internal": InternalError,
+}
+
+
+def _api_error(frame) -> ApiError:
+    cls = _WIRE_ERRORS.get(frame.code, InternalError)
+    return cls(f"{frame.code}: {frame.message}", code=frame.code)
+
+
+class _FrameEvents:
+    """Async iterator turning infer frames into :data:`GatewayEvent` s."""
+
+    def __init__(self, prompt_tokens: int, recv: trio.MemoryReceiveChannel):
+        self._recv = recv
+        self._pending: list[GatewayEvent] = [Started(prompt_tokens)]
+        self._done = False
+        self.answered = False  # a FINAL came
+
+    def __aiter__(self) -> _FrameEvents:
+        return self
+
+    async def __anext__(self) -> GatewayEvent:
+        if self._pending:
+            return self._pending.pop(0)
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            frame = await self._recv.receive()
+        except trio.EndOfChannel:
+            self._done = True
+            raise UpstreamError("the node's pipeline ended without an answer") from None
+        if isinstance(frame, wire.Tokens):
+            return TextDelta(frame.text, max(1, len(frame.token_ids)))
+        if isinstance(frame, wire.Final):
+            self._done = True
+            self.answered = True
+            usage = Usage(frame.prompt_tokens, frame.completion_tokens, frame.cached_tokens)
+            return Finished(frame.finish_reason, usage, route_json(frame))
+        if isinstance(frame, wire.Error):
+            self._done = True
+            raise _api_error(frame)
+        raise UpstreamError(f"unexpected frame {type(frame).__name__}")
+
+
+class NodeGatewayBackend:
+    """:class:`GatewayBackend` over a running node's request pipeline.
+
+    ``infer`` is the node's :class:`~prefixmesh.overlay.infer.InferService`; ``backend``
+    its engine :class:`~prefixmesh.node.backend.Backend` (for tokenizing and load
+    figures); ``tenants`` its :class:`~prefixmesh.node.tenants.TenantRegistry`."""
+
+    def __init__(self, *, infer, backend, tenants, hop_budget: int = 2,
+                 model_ids: Sequence[str] | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.infer = infer
+        self.backend = backend
+        self.tenants = tenants
+        self.hop_budget = hop_budget
+        self.clock = clock
+        self._model_ids = list(model_ids) if model_ids else default_model_ids(backend)
+
+    def model_ids(self) -> list[str]:
+        return list(self._model_ids)
+
+    def tenant_names(self) -> list[str]:
+        return self.tenants.names()
+
+    def status(self) -> dict[str, Any]:
+        load = self.backend.load_figures()
+        return {
+            "inflight": self.infer.inflight,
+            "engine": {"active": load.active, "queue_depth": load.queue_depth,
+                       "kv_used_bytes": load.kv_used_bytes,
+                       "kv_capacity_bytes": load.kv_capacity_bytes},
+            "infer": dict(self.infer.stats),
+        }
+
+    async def _prompt_tokens(self, job: GenerationJob) -> tuple[int, ...]:
+        from prefixmesh.node.backend import BackendError
+
+        try:
+            if job.prompt is None:
+                return tuple(await self.backend.tokenize(job.messages))
+            tokenize_text = getattr(self.backend, "tokenize_text", None)
+            if tokenize_text is not None:
+                return tuple(await tokenize_text(job.prompt))
+            engine = getattr(self.backend, "engine", None)
+            if engine is not None:
+                return tuple(await trio.to_thread.run_sync(engine.tokenize, job.prompt))
+            return tuple(job.prompt.encode("utf-8"))  # SimulatedBackend's byte tokens
+        except (BackendError, ValueError) as exc:
+            raise BadRequest(f"cannot render the prompt: {exc}", code="invalid_prompt") from None
+
+    @contextlib.asynccontextmanager
+    async def generation(self, job: GenerationJob) -> AsyncIterator[AsyncIterator[GatewayEvent]]:
+        tenant = self.tenants.by_name(job.tenant)
+        if tenant is None:
+            raise NotFound(f"tenant {job.tenant!r} is not configured", code="tenant_not_found")
+        tokens = await self._prompt_tokens(job)
+        if not tokens:
+            raise BadRequest("the prompt is empty after tokenization", code="invalid_prompt")
+        if len(tokens) > wire.MAX_PROMPT_TOKENS:
+            raise BadRequest(f"the prompt has {len(tokens)} tokens, more than "
+                             f"{wire.MAX_PROMPT_TOKENS}", code="context_length_exceeded")
+        s = job.sampling
+        request_id = os.urandom(16)
+        deadline = self.clock() + job.deadline_s
+        req = wire.Request(
+            id=request_id,
+            ns=tenant.ns_id,
+            credential=tenant.credential(request_id, deadline),
+            tokens=tokens,
+            sampling=wire.Sampling(max_tokens=s.max_tokens, temperature=float(s.temperature),
+                                   top_p=float(s.top_p), seed=s.seed),
+            deadline=deadline,
+            hop_budget=self.hop_budget,
+        )
+        send, recv = trio.open_memory_channel[Any](_EVENT_BUFFER)
+        t_recv = time.perf_counter()
+
+        async def pipeline() -> None:
+            async with send:
+                try:
+                    await self.infer.process(req, send.send, t_recv)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the HTTP side left
+                except Exception as exc:
+                    log.exception("request pipeline failed")
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        await send.send(wire.Error("internal", f"gateway: {exc}"[:500]))
+
+        raised: Exception | None = None
+        async with recv, trio.open_nursery() as nursery:
+            nursery.start_soon(pipeline)
+            events = _FrameEvents(len(tokens), recv)
+            try:
+                yield events
+            except Exception as exc:  # re-raised below, outside the nursery (no group)
+                raised = exc
+            if events.answered and raised is None:
+                # let the pipeline read END and close its streams cleanly (bounded)
+                with trio.move_on_after(1.0):
+                    async for _ in recv:
+                        pass
+            nursery.cancel_scope.cancel()
+        if raised is not None:
+            raise raised
+
+
+def default_model_ids(backend) -> list[str]:
+    """The model's file name without ``.gguf`` (e.g. ``SmolLM2-135M-Instruct.Q4_1``), and
+    the alias ``prefixmesh`` (the node's one model, whatever it is)."""
+    path = getattr(backend, "model_path", None)
+    if path:
+        name = Path(str(path)).name
+        if name.lower().endswith(".gguf"):
+            name = name[: -len(".gguf")]
+    else:
+        name = "prefixmesh-" + bytes(backend.model_fingerprint).hex()[:12]
+    return [name, "prefixmesh"]
+
+
+# --- serving ------------------------------------------------------------------------------
+
+
+async def serve_http(backend: GatewayBackend, settings: GatewaySettings, *,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the gateway until cancelled; ``task_status.started(url)`` once bound
+    (``http://HOST:PORT`` with the actual port when ``listen`` asked for port 0)."""
+    try:
+        from hypercorn.config import Config as HypercornConfig
+        from hypercorn.trio import serve
+    except ImportError:
+        raise GatewayConfigError("the HTTP gateway needs the 'hypercorn' package "
+                                 "(pip install hypercorn)") from None
+
+    check_bind(settings)
+    hc = HypercornConfig()
+    hc.bind = [settings.listen]
+    hc.accesslog = None
+    hc.include_server_header = False
+    hc.keep_alive_timeout = 30.0
+    hc.graceful_timeout = 2.0
+    hc.h11_max_incomplete_size = 16 * 1024
+    hc.errorlog = logging.getLogger("prefixmesh.http.server")
+    app = GatewayApp(backend, settings)
+    bound: list[str] = []
+
+    class _Status:  # hypercorn reports its bound addresses here
+        def started(self, binds=None) -> None:
+            bound.append(binds[0] if binds else f"http://{settings.listen}")
+            log.info("HTTP gateway on %s", bound[0])
+            task_status.started(bound[0])
+
+    try:
+        await serve(app, hc, task_status=_Status())
+    except (OSError, BaseExceptionGroup) as exc:
+        cause = _leaf_oserror(exc)
+        if bound or cause is None:
+            raise
+        raise GatewayConfigError(f'HTTP gateway cannot listen on "{settings.listen}": '
+                                 f"{cause.strerror or cause}") from None
+
+
+def _leaf_oserror(exc: BaseException) -> OSError | None:
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _leaf_oserror(sub)
+            if found is not None:
+                return found
+    return None
+
+
+async def serve_node_http(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The daemon's hook: serve the gateway of ``node`` (a ``node.daemon.Node``) when
+    ``[http].listen`` is set; returns at once (after ``started(None)``) when it is not."""
+    cfg = node.config
+    if not cfg.http.listen:
+        task_status.started(None)
+        return
+    settings = settings_from_config(cfg)
+    backend = NodeGatewayBackend(infer=node.infer, backend=node.backend, tenants=node.tenants,
+                                 hop_budget=cfg.routing.hop_budget)
+    await serve_http(backend, settings, task_status=task_status)
+
+

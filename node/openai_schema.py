@@ -1,0 +1,672 @@
+"""OpenAI-compatible request validation and response shapes (pure: no IO, no clock).
+
+The HTTP gateway (:mod:`prefixmesh.node.http_gateway`) parses every request body with
+this module and builds every response object with it, so the whole wire contract with
+OpenAI clients is here and testable without a server.
+
+Validation is strict about what we act on and lenient about what we ignore:
+
+* the body must be a JSON object (UTF-8, at most :data:`MAX_BODY_BYTES`, the gateway
+  enforces the size while reading) and nested at most :data:`MAX_JSON_DEPTH` levels;
+* ``model`` (string) and ``messages`` / ``prompt`` are required; roles are ``system``,
+  ``developer`` (treated as ``system``), ``user`` and ``assistant``; content is a string or
+  a list of ``{"type": "text", "text": ...}`` parts;
+* sampling: ``max_tokens`` / ``max_completion_tokens`` (1..:data:`MAX_MAX_TOKENS`),
+  ``temperature`` (0..2), ``top_p`` (0..1), ``seed`` (0..2**32-1), ``stop`` (a string or a
+  list of at most :data:`MAX_STOP_SEQUENCES` non-empty strings of at most
+  :data:`MAX_STOP_CHARS` characters each); ``n`` must be 1;
+* features we do not implement are refused with 400 instead of silently ignored when
+  ignoring them would change the answer (``n`` > 1, ``logprobs``, ``tools``,
+  ``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` > 1);
+* other keys (``user``, ``frequency_penalty``, ``metadata``, ...) are ignored, as many
+  OpenAI-compatible servers do, so that existing clients keep working;
+* ``null`` counts as absent for optional keys.
+
+Every failure is an :class:`ApiError` subclass carrying the HTTP status and the OpenAI
+error JSON shape ``{"error": {"message", "type", "param", "code"}}``.
+
+:class:`StopScanner` implements stop sequences on a text stream: it holds back the
+shortest tail that could still become a stop sequence, so no part of a stop sequence is
+ever emitted, whatever the chunking.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_MAX_TOKENS",
+    "MAX_MESSAGES",
+    "MAX_STOP_SEQUENCES",
+    "MAX_STOP_CHARS",
+    "MAX_SEED",
+    "ApiError",
+    "BadRequest",
+    "Unauthorized",
+    "PermissionDenied",
+    "NotFound",
+    "MethodNotAllowed",
+    "PayloadTooLarge",
+    "InternalError",
+    "UpstreamError",
+    "NoCapacity",
+    "DeadlineExceeded",
+    "SamplingOptions",
+    "ChatRequest",
+    "CompletionRequest",
+    "Usage",
+    "parse_json_body",
+    "parse_chat_request",
+    "parse_completion_request",
+    "usage_object",
+    "chat_completion_object",
+    "chat_chunk_object",
+    "completion_object",
+    "completion_chunk_object",
+    "models_object",
+    "sse_event",
+    "SSE_DONE",
+    "StopScanner",
+]
+
+#: largest request body the gateway reads (bytes); larger bodies get 413
+MAX_BODY_BYTES = 1024 * 1024
+#: deepest JSON nesting accepted (objects + arrays); deeper bodies get 400
+MAX_JSON_DEPTH = 32
+#: largest max_tokens (the overlay's wire limit, overlay.wire.MAX_MAX_TOKENS)
+MAX_MAX_TOKENS = 32_768
+#: most chat messages (the overlay's wire limit, overlay.wire.MAX_MESSAGES)
+MAX_MESSAGES = 256
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_SEED = 0xFFFFFFFF
+MAX_TEMPERATURE = 2.0
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered to the HTTP client as OpenAI error JSON with ``status``."""
+
+    status = 500
+    type = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(ApiError):
+    status = 403
+    type = "permission_error"
+    default_code = "tenant_not_allowed"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class InternalError(ApiError):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+
+class UpstreamError(ApiError):
+    status = 502
+    type = "server_error"
+    default_code = "upstream_failed"
+
+
+class NoCapacity(ApiError):
+    status = 503
+    type = "server_error"
+    default_code = "no_capacity"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    type = "server_error"
+    default_code = "deadline_exceeded"
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[tuple[str, str], ...]  # (role, content); roles normalised
+    sampling: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str
+    sampling: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def _depth_ok(raw: str) -> bool:
+    """Whether the JSON text nests at most MAX_JSON_DEPTH levels (brackets outside strings).
+
+    Checked before ``json.loads`` so that a deeply nested body cannot reach Python's
+    recursion limit."""
+    depth = 0
+    in_string = False
+    escaped = False
+    for ch in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; :class:`BadRequest` otherwise."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not UTF-8 ({exc.reason} at byte {exc.start})",
+                         code="invalid_json") from None
+    if not text.strip():
+        raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
+    if not _depth_ok(text):
+        raise BadRequest(f"JSON nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"request body must be a JSON object, not {_json_type(obj)}",
+                         code="invalid_json")
+    return obj
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int | float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+def _get(obj: Mapping[str, Any], key: str) -> Any:
+    """The value of an optional key; null counts as absent."""
+    return obj.get(key)
+
+
+def _bad_type(param: str, want: str, value: Any) -> BadRequest:
+    return BadRequest(f"'{param}' must be {want}, not {_json_type(value)}", param=param,
+                      code="invalid_type")
+
+
+def _string(obj: Mapping[str, Any], key: str, *, required: bool = False) -> str | None:
+    v = _get(obj, key)
+    if v is None:
+        if required:
+            raise BadRequest(f"'{key}' is required", param=key, code="missing_required_parameter")
+        return None
+    if not isinstance(v, str):
+        raise _bad_type(key, "a string", v)
+    return v
+
+
+def _bool(obj: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    v = _get(obj, key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad_type(key, "a boolean", v)
+    return v
+
+
+def _int_in(obj: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = _get(obj, key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        # 5.0 is accepted as 5 only when integral (some clients serialise ints as floats)
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+        else:
+            raise _bad_type(key, "an integer", v)
+    if not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {v}", param=key,
+                         code="invalid_value")
+    return v
+
+
+def _float_in(obj: Mapping[str, Any], key: str, lo: float, hi: float) -> float | None:
+    v = _get(obj, key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _bad_type(key, "a number", v)
+    v = float(v)
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise BadRequest(f"'{key}' must be between {lo:g} and {hi:g}, got {v:g}", param=key,
+                         code="invalid_value")
+    return v
+
+
+def _stop(obj: Mapping[str, Any]) -> tuple[str, ...]:
+    v = _get(obj, "stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list):
+        raise _bad_type("stop", "a string or an array of strings", v)
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise BadRequest(f"'stop' has more than {MAX_STOP_SEQUENCES} sequences", param="stop",
+                         code="invalid_value")
+    out: list[str] = []
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise _bad_type(f"stop[{i}]", "a string", s)
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise BadRequest(f"'stop[{i}]' must be 1 to {MAX_STOP_CHARS} characters",
+                             param="stop", code="invalid_value")
+        if s not in out:
+            out.append(s)
+    return tuple(out)
+
+
+def _refuse_unsupported(obj: Mapping[str, Any], *, chat: bool) -> None:
+    n = _int_in(obj, "n", 1, 1_000_000)
+    if n is not None and n != 1:
+        raise BadRequest("'n' must be 1 (one choice per request)", param="n",
+                         code="unsupported_value")
+    logprobs = _get(obj, "logprobs")
+    if logprobs not in (None, False, 0):
+        raise BadRequest("'logprobs' is not supported", param="logprobs",
+                         code="unsupported_parameter")
+    if chat:
+        for key in ("tools", "functions"):
+            v = _get(obj, key)
+            if v not in (None, []):
+                raise BadRequest(f"'{key}' is not supported", param=key,
+                                 code="unsupported_parameter")
+        rf = _get(obj, "response_format")
+        if rf is not None:
+            if not isinstance(rf, dict):
+                raise _bad_type("response_format", "an object", rf)
+            if rf.get("type", "text") != "text":
+                raise BadRequest("only response_format {\"type\": \"text\"} is supported",
+                                 param="response_format", code="unsupported_value")
+    else:
+        if _bool(obj, "echo"):
+            raise BadRequest("'echo' is not supported", param="echo",
+                             code="unsupported_parameter")
+        if _string(obj, "suffix"):
+            raise BadRequest("'suffix' is not supported", param="suffix",
+                             code="unsupported_parameter")
+        best_of = _int_in(obj, "best_of", 1, 1_000_000)
+        if best_of is not None and best_of != 1:
+            raise BadRequest("'best_of' must be 1", param="best_of", code="unsupported_value")
+
+
+def _sampling(obj: Mapping[str, Any], default_max_tokens: int) -> SamplingOptions:
+    max_tokens = _int_in(obj, "max_completion_tokens", 1, MAX_MAX_TOKENS)
+    if max_tokens is None:
+        max_tokens = _int_in(obj, "max_tokens", 1, MAX_MAX_TOKENS)
+    temperature = _float_in(obj, "temperature", 0.0, MAX_TEMPERATURE)
+    top_p = _float_in(obj, "top_p", 0.0, 1.0)
+    seed = _int_in(obj, "seed", 0, MAX_SEED)
+    return SamplingOptions(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=0 if seed is None else seed,
+        stop=_stop(obj),
+    )
+
+
+def _stream_flags(obj: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(obj, "stream")
+    opts = _get(obj, "stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad_type("stream_options", "an object", opts)
+        if not stream:
+            raise BadRequest("'stream_options' is only allowed when 'stream' is true",
+                             param="stream_options", code="invalid_value")
+        iu = opts.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise _bad_type("stream_options.include_usage", "a boolean", iu)
+        include_usage = bool(iu)
+    return stream, include_usage
+
+
+def _content(msg: Mapping[str, Any], i: int) -> str:
+    param = f"messages[{i}].content"
+    v = msg.get("content")
+    if v is None:
+        raise BadRequest(f"'{param}' is required", param=param,
+                         code="missing_required_parameter")
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise _bad_type(param, "a string or an array of content parts", v)
+    texts = []
+    for j, part in enumerate(v):
+        p = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad_type(p, "an object", part)
+        if part.get("type") != "text":
+            raise BadRequest(f"'{p}': only text content parts are supported", param=p,
+                             code="unsupported_value")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _bad_type(f"{p}.text", "a string", text)
+        texts.append(text)
+    return "".join(texts)
+
+
+def parse_chat_request(obj: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
+    """A ``POST /v1/chat/completions`` body; :class:`BadRequest` says what is wrong."""
+    model = _string(obj, "model", required=True)
+    raw_messages = obj.get("messages")
+    if raw_messages is None:
+        raise BadRequest("'messages' is required", param="messages",
+                         code="missing_required_parameter")
+    if not isinstance(raw_messages, list):
+        raise _bad_type("messages", "an array", raw_messages)
+    if not raw_messages:
+        raise BadRequest("'messages' must not be empty", param="messages", code="invalid_value")
+    if len(raw_messages) > MAX_MESSAGES:
+        raise BadRequest(f"'messages' has more than {MAX_MESSAGES} entries", param="messages",
+                         code="invalid_value")
+    messages: list[tuple[str, str]] = []
+    for i, m in enumerate(raw_messages):
+        if not isinstance(m, dict):
+            raise _bad_type(f"messages[{i}]", "an object", m)
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad_type(f"messages[{i}].role", "a string", role)
+        if role not in _ROLES:
+            raise BadRequest(
+                f"'messages[{i}].role' must be one of system, developer, user, assistant; "
+                f"got {role!r}", param=f"messages[{i}].role", code="invalid_value")
+        messages.append((_ROLES[role], _content(m, i)))
+    _refuse_unsupported(obj, chat=True)
+    stream, include_usage = _stream_flags(obj)
+    assert model is not None
+    return ChatRequest(model=model, messages=tuple(messages),
+                       sampling=_sampling(obj, default_max_tokens), stream=stream,
+                       include_usage=include_usage)
+
+
+def parse_completion_request(obj: Mapping[str, Any], *, default_max_tokens: int
+                             ) -> CompletionRequest:
+    """A ``POST /v1/completions`` body (``prompt`` is one string, or a one-string array)."""
+    model = _string(obj, "model", required=True)
+    prompt = obj.get("prompt")
+    if prompt is None:
+        raise BadRequest("'prompt' is required", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise BadRequest("'prompt' must be a string (or an array of exactly one string)",
+                             param="prompt", code="unsupported_value")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad_type("prompt", "a string", prompt)
+    if not prompt:
+        raise BadRequest("'prompt' must not be empty", param="prompt", code="invalid_value")
+    _refuse_unsupported(obj, chat=False)
+    stream, include_usage = _stream_flags(obj)
+    assert model is not None
+    return CompletionRequest(model=model, prompt=prompt,
+                             sampling=_sampling(obj, default_max_tokens), stream=stream,
+                             include_usage=include_usage)
+
+
+# --- responses --------------------------------------------------------------------------
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _with_ext(obj: dict[str, Any], ext: Mapping[str, Any] | None) -> dict[str, Any]:
+    if ext is not None:
+        obj["prefixmesh"] = dict(ext)
+    return obj
+
+
+def chat_completion_object(*, id: str, created: int, model: str, text: str,
+                           finish_reason: str, usage: Usage,
+                           ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return _with_ext({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }],
+        "usage": usage_object(usage),
+    }, ext)
+
+
+def chat_chunk_object(*, id: str, created: int, model: str, delta: Mapping[str, Any] | None,
+                      finish_reason: str | None = None, usage: Usage | None = None,
+                      include_usage_field: bool = False,
+                      ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``. ``delta=None`` makes the usage chunk (no choices)."""
+    obj: dict[str, Any] = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [] if delta is None else [{
+            "index": 0, "delta": dict(delta), "logprobs": None, "finish_reason": finish_reason,
+        }],
+    }
+    if usage is not None:
+        obj["usage"] = usage_object(usage)
+    elif include_usage_field:
+        obj["usage"] = None
+    return _with_ext(obj, ext)
+
+
+def completion_object(*, id: str, created: int, model: str, text: str, finish_reason: str,
+                      usage: Usage, ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return _with_ext({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None,
+                     "finish_reason": finish_reason}],
+        "usage": usage_object(usage),
+    }, ext)
+
+
+def completion_chunk_object(*, id: str, created: int, model: str, text: str | None,
+                            finish_reason: str | None = None, usage: Usage | None = None,
+                            ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed ``text_completion`` event; ``text=None`` makes the usage chunk."""
+    obj: dict[str, Any] = {
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None,
+                                             "finish_reason": finish_reason}],
+    }
+    if usage is not None:
+        obj["usage"] = usage_object(usage)
+    return _with_ext(obj, ext)
+
+
+def models_object(model_ids: Sequence[str], *, created: int = 0,
+                  owned_by: str = "prefixmesh") -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": created, "owned_by": owned_by}
+        for m in model_ids
+    ]}
+
+
+def sse_event(obj: Mapping[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() \
+        + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# --- stop sequences ---------------------------------------------------------------------
+
+
+@dataclass
+class StopScanner:
+    """Cut a text stream at the first occurrence of any stop sequence.
+
+    ``feed(chunk)`` returns the text that is safe to emit now: text that can no longer
+    become part of a stop sequence. The shortest tail that is a proper prefix of some stop
+    sequence is held back until the next chunk decides it. After a stop sequence is seen,
+    :attr:`stopped` is true and everything from the stop sequence on is dropped.
+    ``flush()`` (at the end of the stream) returns the held-back tail.
+
+    The cut is where the first stop sequence to be *completed* starts (ties: the one that
+    starts first), as a generator stopping at the first complete stop sequence would cut.
+
+    Invariant (tested with hypothesis): for any text and any split into chunks, the
+    concatenated output is the same: ``text`` up to that cut (or all of ``text`` when no
+    stop sequence occurs), and nothing emitted is ever retracted.
+    """
+
+    stops: tuple[str, ...]
+    stopped: bool = False
+    _held: str = field(default="", repr=False)
+
+    def feed(self, chunk: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return chunk
+        buf = self._held + chunk
+        # the stop sequence that is *completed* first (as a generator would see it, token by
+        # token) wins; ties in completion go to the one that starts first. This makes the
+        # result independent of how the stream is chunked.
+        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            cut = min(hits)[1]
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        keep = self._partial_tail(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _partial_tail(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
