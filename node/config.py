@@ -295,6 +295,23 @@ def _choice(choices: tuple[str, ...]) -> Checker:
     return check
 
 
+def _api_key_table(value: Any, _base: Path) -> dict[str, str]:
+    """``[http.keys]``: API key -> tenant name, both non-empty strings."""
+    if not isinstance(value, dict):
+        raise _Bad(f"must be a table of KEY = TENANT, not {_type_name(value)}")
+    if len(value) > 1024:
+        raise _Bad("more than 1024 API keys")
+    out: dict[str, str] = {}
+    for key, tenant in value.items():
+        if not key or len(key) > 512:
+            raise _Bad("API keys must be 1..512 characters")
+        if not isinstance(tenant, str) or not tenant:
+            raise _Bad(f"the tenant bound to a key must be a non-empty string, "
+                       f"not {_type_name(tenant)}")
+        out[key] = tenant
+    return out
+
+
 def _str(value: Any, _base: Path) -> str:
     if not isinstance(value, str):
         raise _Bad(f"must be a string, not {_type_name(value)} {_show(value)}")
@@ -464,6 +481,8 @@ class HttpSection:
     listen: str = _f("", check=_http_addr, doc='HTTP gateway HOST:PORT ("" = off)')
     api_key: str = _f("", check=_str, secret=True,
                       doc="required as a Bearer token when set; required off loopback")
+    keys: dict = _f(None, check=_api_key_table, secret=True, factory=dict,
+                    doc="[http.keys] KEY = TENANT: API keys bound to one tenant each")
 
 
 @dataclass
@@ -731,11 +750,16 @@ def _check_cross(cfg: Config, where: Callable[[str], str]) -> None:
         )
     if cfg.http.listen:
         host, _port = _split_host_port(cfg.http.listen)
-        if host is not None and not _loopback(host) and not cfg.http.api_key:
+        if host is not None and not _loopback(host) and not (cfg.http.api_key or cfg.http.keys):
             raise ConfigError(
                 where("http.listen"),
-                f'"{cfg.http.listen}" is reachable from other machines; set [http].api_key',
+                f'"{cfg.http.listen}" is reachable from other machines; set [http].api_key '
+                "or [http.keys]",
             )
+    for tenant in cfg.http.keys.values():
+        if tenant != "public" and tenant not in cfg.tenants:
+            raise ConfigError("[http.keys]", f'a key is bound to "{tenant}", which is not a '
+                              "configured tenant")
     if cfg.routing.knobs:
         try:
             cfg.routing.routing_config()
@@ -792,6 +816,9 @@ def config_to_toml(cfg: Config) -> str:
                 continue
             if f.metadata["secret"] and value:
                 lines.append(f"# {f.name} = {_REDACTED}  # {doc}")
+                continue
+            if isinstance(value, dict):  # a sub-table such as [http.keys]; empty here
+                lines.append(f"# {f.name}: none  # {doc}")
                 continue
             lines.append(f"{f.name} = {_toml_value(value, f.metadata['kind'])}  # {doc}")
         if isinstance(section, RoutingSection):

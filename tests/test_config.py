@@ -357,3 +357,15 @@ def test_hostile_config_text_is_a_config_error(text):
     """Inputs the fuzzer found: each must be a ConfigError, never another exception."""
     with pytest.raises(ConfigError):
         load_config(text=text)
+
+
+def test_http_keys_bind_api_keys_to_tenants_and_are_redacted():
+    cfg = load_config(text='[http]\nlisten = "127.0.0.1:8080"\n[http.keys]\n"sk-one" = "acme"\n'
+                      '[tenants.acme]\nsecret = "s3cret-acme-0123456789"\n')
+    assert cfg.http.keys == {"sk-one": "acme"}
+    printed = config_to_toml(cfg)
+    assert "sk-one" not in printed and "s3cret-acme-0123456789" not in printed
+    with pytest.raises(ConfigError, match="not a configured tenant"):
+        load_config(text='[http.keys]\n"sk-one" = "nobody"\n')
+    with pytest.raises(ConfigError, match=r"\[http\]\.keys"):
+        load_config(text='[http.keys]\n"sk-one" = 3\n')
