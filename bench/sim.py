@@ -1,0 +1,964 @@
+"""Deterministic discrete-event simulator of a prefixmesh network, driving the real pure core.
+
+Nothing of the protocol is reimplemented here. Every simulated node owns the same objects
+a real node owns:
+
+- a :class:`~prefixmesh.inference.radix.RadixTree` of cached prompts (token ids), with its
+  byte budget and LRU eviction (``kv_capacity_bytes``, ``bytes_per_token`` per token);
+- an :class:`~prefixmesh.overlay.antientropy.AntiEntropy` state with its own Ed25519
+  identity, issuing real signed :class:`~prefixmesh.overlay.digest.DigestRecord` bytes;
+  exchanges are push-pull over simulated links, and every message is the real encoded
+  byte string (so digest bytes/s are real);
+- a :class:`~prefixmesh.overlay.peerindex.PeerCacheIndex` fed with the records the node
+  has received (stale by however long gossip took);
+- a routing :class:`~prefixmesh.overlay.routing.Policy` from ``make_policy``.
+
+Event model (heapq, virtual seconds, one seeded ``random.Random``; no trio, no clock)
+    A request enters at one node (``entry``: a seeded uniform pick, by default). The node
+    builds a ``RouteContext`` from what *it* knows: its own radix match, its own queue,
+    and candidates from its peer index (estimated matches from digests, load figures
+    from the last record it saw, RTT = twice the link's mean one-way delay). A forward
+    travels one link delay and the next node decides again, with ``hop_budget`` reduced
+    and ``visited`` grown. The serving node queues the request (FIFO, one at a time) and,
+    when it starts, re-matches the prompt against its *own* tree: the estimate a router
+    used versus the actual reuse gives the false-hit rate. The response travels back
+    along the path (sum of hop delays).
+
+Service model (defaults: measured SmolLM2-135M figures, docs in dependency-facts.md)
+    ``service = restore_s [if reused] + (prompt - reused) / prefill_tps +
+    max_tokens / decode_tps``; TTFT = arrival-to-start wait + restore + prefill + return
+    path; end-to-end adds decode. ``reused`` is the radix match at the serving node, capped
+    at ``prompt - 1`` (the last token must be evaluated to get logits), and only taken
+    when it pays (``reused >= min_reuse_tokens``, by default ``restore_s * prefill_tps``
+    tokens). After serving, the prompt is inserted into the tree (size ``prompt *
+    bytes_per_token``; one saved sequence state per cached prompt, as the KV store keeps
+    them) and its block chain is added to the node's anti-entropy state; evictions remove
+    theirs.
+
+Deliberate simplifications
+    Constant prefill/decode rates (no context-length dependence); no batching; links are
+    independent one-way delays with optional exponential jitter (no bandwidth, no loss);
+    one namespace for all requests. Record decoding and signature verification are
+    memoised by exact bytes for the duration of a run (see
+    :func:`memoised_record_decoding`: each distinct record is parsed and verified once
+    per simulation instead of once per receiving node), which changes no outcome.
+
+Proposals (off by default; measured in docs/bench/sim.md, not node features yet)
+    ``trust_feedback``: a router lowers its trust in a peer whose actual reuse fell short
+    of the advertised match (AIMD), as if replies reported reused tokens.
+    ``inflight_correction``: a router adds its own forwards since a peer's load figure
+    was issued to that figure. ``ski_rental``: a router serves a prefix locally once the
+    RTT it has paid forwarding that prefix reaches the cost of one local miss.
+
+Limits
+    Memory and time grow with N x (records per node): N=1024 is fine for the convergence
+    experiment (no requests), request simulations are meant for N <= 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from prefixmesh.inference.blocks import chain_hashes, derive_namespace_key, namespace_id
+from prefixmesh.inference.radix import RadixTree
+from prefixmesh.overlay import antientropy as _ae_mod
+from prefixmesh.overlay import digest as _digest_mod
+from prefixmesh.overlay.digest import LoadFigures
+from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.peerindex import PeerCacheIndex
+from prefixmesh.overlay.routing import (
+    FORWARD,
+    Candidate,
+    RouteContext,
+    RoutingConfig,
+    make_policy,
+)
+
+from . import gossip as _gossip
+from .workloads import Request, Workload
+
+__all__ = [
+    "SimConfig",
+    "SimResult",
+    "Simulator",
+    "simulate",
+    "measure_convergence",
+    "add_sim_arguments",
+    "run_bench_sim",
+    "main",
+]
+
+BYTES_PER_TOKEN = 23_052  # SmolLM2-135M KV state per token (dependency-facts.md)
+MODEL_FP = b"smollm2-135m-instruct-q4_1"
+_PICK_ONE = frozenset({"round-robin", "random", "consistent-hash", "local"})
+_USES_INDEX = frozenset({"prefixmesh", "paper"})
+
+_EV_ARRIVE, _EV_DONE, _EV_GOSSIP, _EV_MSG = range(4)
+
+
+@dataclass
+class SimConfig:
+    """Knobs of one simulation (see the module docstring for the model)."""
+
+    nodes: int = 4
+    policy: str = "prefixmesh"
+    delay_ms: float = 2.0  # one-way per-link delay; RTT = 2x
+    jitter_ms: float = 0.0  # mean of an exponential extra delay per message
+    prefill_tps: float = 420.0
+    decode_tps: float = 120.0
+    restore_s: float = 0.2
+    min_reuse_tokens: int | None = None  # None: ceil(restore_s * prefill_tps)
+    kv_capacity_bytes: int = 512 * 1024 * 1024
+    bytes_per_token: int = BYTES_PER_TOKEN
+    gossip_interval_s: float = 1.0
+    gossip_fanout: int = 3  # node default ([digest] fanout)
+    gossip_budget_bytes: int = 64 * 1024
+    decode_messages: bool = False  # decode exchange messages (see bench/gossip.py)
+    digest_ttl_s: float = 60.0
+    refresh_interval_s: float = 20.0
+    warmup_s: float | None = None  # gossip before the first request; None: 3 intervals
+    max_hops: int | None = None  # None: 1 for pick-one baselines, 2 otherwise
+    shed_candidates: int = 2  # random extra peers offered to prefixmesh (load shedding)
+    trust_feedback: bool = False  # forwarder learns actual/estimated reuse (proposal)
+    inflight_correction: bool = False  # add own forwards since a peer's load figure (proposal)
+    ski_rental: bool = False  # warm the local cache once forwarding rent exceeds its cost
+    liar_fraction: float = 0.0  # nodes advertising prefixes they do not hold
+    entry: str = "random"  # random | round-robin | first (all requests enter at node 0)
+    seed: int = 0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+    def resolved_max_hops(self) -> int:
+        if self.max_hops is not None:
+            return self.max_hops
+        return 1 if self.policy in _PICK_ONE else 2
+
+
+@dataclass
+class SimResult:
+    config: dict
+    workload: str
+    requests: int
+    sim_seconds: float
+    wall_seconds: float
+    metrics: dict
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def memoised_record_decoding(maxsize: int = 1 << 20) -> Iterator[None]:
+    """Memoise record parsing and verification by exact bytes for one run.
+
+    Every node decodes every record it receives; in one process the same bytes are
+    decoded N times. ``decode_record`` is a pure function of ``raw`` except for its two
+    clock checks, so the memo calls the real function the first time a raw record is
+    seen (with ``check_expiry=False``: the full parse, validation and signature check)
+    and afterwards returns the same ``SignedRecord`` only when the call is one whose
+    outcome cannot differ: ``check_expiry=False`` (what ``AntiEntropy.receive`` passes)
+    and ``issued_at <= now + max_clock_skew``. Any other call, and every failing record,
+    goes to the real function. Signature checks are memoised the same way.
+    """
+    original_decode = _ae_mod.decode_record
+    original_verify = _digest_mod.verify_with_public_key
+    memo: dict[bytes, object] = {}
+
+    def decode(raw, *, now, max_clock_skew=30.0, check_expiry=True):
+        signed = memo.get(raw) if not check_expiry else None
+        if signed is not None and signed.record.issued_at <= now + max_clock_skew:
+            return signed
+        signed = original_decode(
+            raw, now=now, max_clock_skew=max_clock_skew, check_expiry=check_expiry
+        )
+        if not check_expiry and len(memo) < maxsize:
+            memo[signed.raw] = signed
+        return signed
+
+    _ae_mod.decode_record = decode
+    _digest_mod.verify_with_public_key = functools.lru_cache(maxsize=maxsize)(original_verify)
+    try:
+        yield
+    finally:
+        _ae_mod.decode_record = original_decode
+        _digest_mod.verify_with_public_key = original_verify
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (0 for an empty one)."""
+    if not sorted_values:
+        return 0.0
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    s = sorted(values)
+    return {
+        "mean": sum(s) / len(s) if s else 0.0,
+        "p50": percentile(s, 50),
+        "p99": percentile(s, 99),
+    }
+
+
+class _Node:
+    __slots__ = (
+        "idx", "ident", "pid", "ae", "index", "policy", "tree", "queue", "busy", "busy_until",
+        "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "known", "trust",
+        "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent",
+    )  # fmt: skip
+
+
+class _Req:
+    """Per-request simulation state."""
+
+    __slots__ = (
+        "req", "entry", "node", "hops", "visited", "back_s", "est_tokens", "est_from",
+        "enqueued_at", "svc_est",
+    )  # fmt: skip
+
+    def __init__(self, req: Request, entry: int) -> None:
+        self.req = req
+        self.entry = entry
+        self.node = entry
+        self.hops = 0
+        self.visited: frozenset[bytes] = frozenset()
+        self.back_s = 0.0
+        self.est_tokens = -1  # estimate of the last forwarding router (-1: none)
+        self.est_from = -1
+        self.enqueued_at = 0.0
+        self.svc_est = 0.0
+
+
+# ---------------------------------------------------------------------------- simulator
+
+
+class Simulator:
+    """One simulation run of ``workload`` under ``config`` (see the module docstring)."""
+
+    def __init__(self, workload: Workload, config: SimConfig) -> None:
+        if config.nodes < 1:
+            raise ValueError("nodes must be >= 1")
+        self.cfg = config
+        self.workload = workload
+        # Independent random streams, so that e.g. a policy that samples extra candidates
+        # does not change which node each request enters at: every policy sees the same
+        # entries, gossip partners and link jitter for one seed.
+        self.rng = random.Random(config.seed)
+        self.rng_entry = random.Random(f"{config.seed}/entry")
+        self.rng_gossip = random.Random(f"{config.seed}/gossip")
+        self.rng_link = random.Random(f"{config.seed}/link")
+        self.rng_route = random.Random(f"{config.seed}/route")
+        self.rng_liar = random.Random(f"{config.seed}/liar")
+        self.ns_key = derive_namespace_key(b"public", "public", MODEL_FP)
+        self.ns = namespace_id(self.ns_key)
+        self.min_reuse = (
+            config.min_reuse_tokens
+            if config.min_reuse_tokens is not None
+            else math.ceil(config.restore_s * config.prefill_tps)
+        )
+        self.delay_s = config.delay_ms / 1000.0
+        self.jitter_s = config.jitter_ms / 1000.0
+        self.rtt_s = 2.0 * (self.delay_s + self.jitter_s)
+        self.max_hops = config.resolved_max_hops()
+        self.warmup = (
+            config.warmup_s if config.warmup_s is not None else 3 * config.gossip_interval_s
+        )
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.nodes: list[_Node] = []
+        self.by_pid: dict[bytes, int] = {}
+        self.recent_chains: deque[list[bytes]] = deque(maxlen=512)
+        n_liars = round(config.liar_fraction * config.nodes)
+        liars = set(self.rng_liar.sample(range(config.nodes), n_liars)) if n_liars else set()
+        for i in range(config.nodes):
+            self.nodes.append(self._make_node(i, i in liars))
+        self.all_pids = tuple(n.pid for n in self.nodes)
+        self.entry_counter = 0
+        # metrics
+        self.m_ttft: list[float] = []
+        self.m_e2e: list[float] = []
+        self.m_reused = 0
+        self.m_prompt = 0
+        self.m_req_hits = 0
+        self.m_forwarded = 0
+        self.m_hops = 0
+        self.m_est_forwards = 0
+        self.m_false_hits = 0
+        self.m_false_hit_tokens = 0
+        self.m_to_liar = 0
+        self.m_done = 0
+        self.m_gossip_msgs = 0
+
+    def _make_node(self, i: int, liar: bool) -> _Node:
+        cfg = self.cfg
+        n = _Node()
+        n.idx = i
+        n.ident = Identity.from_seed(self.rng.randbytes(32))
+        n.pid = n.ident.peer_id
+        n.ae = _gossip.make_antientropy(
+            n.ident, MODEL_FP, now=0.0, ttl=cfg.digest_ttl_s,
+            refresh_interval=cfg.refresh_interval_s,
+        )  # fmt: skip
+        n.index = PeerCacheIndex()
+        n.policy = make_policy(
+            cfg.policy, cfg.routing, random.Random(self.rng.getrandbits(64)), n.pid
+        )
+        n.true_blocks = {}
+        n.tree = RadixTree(cfg.kv_capacity_bytes, on_evict=functools.partial(self._evicted, n))
+        n.queue = deque()
+        n.busy = False
+        n.busy_until = 0.0
+        n.queued_work = 0.0
+        n.served = 0
+        n.busy_time = 0.0
+        n.svc_mean = 1.0
+        n.liar = liar
+        n.lies = deque()
+        n.known = []
+        n.trust = {}
+        n.bytes_sent = 0
+        n.rr_entry = 0
+        n.current = None
+        n.fwd_log = {}
+        n.rent = {}
+        self.by_pid[n.pid] = i
+        return n
+
+    # -- event queue -----------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def link_delay(self) -> float:
+        if self.jitter_s > 0:
+            return self.delay_s + self.rng_link.expovariate(1.0 / self.jitter_s)
+        return self.delay_s
+
+    # -- cache bookkeeping ---------------------------------------------------------------
+
+    def _chain(self, req: Request) -> list[bytes]:
+        if req.chain is None:
+            req.chain = chain_hashes(self.ns_key, req.tokens)
+        return req.chain
+
+    def _evicted(self, node: _Node, entry) -> None:
+        chain = entry.payload
+        if chain:
+            node.ae.local_remove_prefix(self.ns, chain)
+            tb = node.true_blocks
+            for h in chain:
+                c = tb[h] - 1
+                if c:
+                    tb[h] = c
+                else:
+                    del tb[h]
+
+    def _true_match_tokens(self, node: _Node, chain: list[bytes]) -> int:
+        tb = node.true_blocks
+        k = 0
+        for h in chain:
+            if h not in tb:
+                break
+            k += 1
+        return k * 16
+
+    # -- run ---------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        cfg = self.cfg
+        with memoised_record_decoding():
+            if cfg.nodes > 1:
+                for n in self.nodes:
+                    self._push(self.rng_gossip.uniform(0, cfg.gossip_interval_s), _EV_GOSSIP, n)
+            reqs = self.workload.requests
+            n_reqs = len(reqs)
+            next_i = 0
+            heap = self.heap
+            while self.m_done < n_reqs:
+                if next_i < n_reqs and (
+                    not heap or reqs[next_i].arrival_s + self.warmup <= heap[0][0]
+                ):
+                    r = reqs[next_i]
+                    next_i += 1
+                    self.now = r.arrival_s + self.warmup
+                    self._client_arrival(r)
+                    continue
+                t, _, kind, a, b = heapq.heappop(heap)
+                self.now = t
+                if kind == _EV_ARRIVE:
+                    self._arrive(a)
+                elif kind == _EV_DONE:
+                    self._done(a)
+                elif kind == _EV_GOSSIP:
+                    self._gossip(a)
+                else:
+                    self._message(a, b)
+        wall = time.perf_counter() - wall0
+        return self._result(wall)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _client_arrival(self, req: Request) -> None:
+        cfg = self.cfg
+        if cfg.entry == "random":
+            entry = self.rng_entry.randrange(cfg.nodes)
+        elif cfg.entry == "round-robin":
+            entry = self.entry_counter % cfg.nodes
+            self.entry_counter += 1
+        else:
+            entry = 0
+        self._arrive(_Req(req, entry))
+
+    def _queue_wait(self, node: _Node) -> float:
+        return max(0.0, node.busy_until - self.now) + node.queued_work
+
+    def _arrive(self, sr: _Req) -> None:
+        node = self.nodes[sr.node]
+        req = sr.req
+        tokens = req.tokens
+        n_tok = len(tokens)
+        chain = self._chain(req)
+        cfg = self.cfg
+        policy_name = cfg.policy
+        local_matched = min(node.tree.match(tokens).length, n_tok)
+        local_wait = self._queue_wait(node)
+        local_load = float(len(node.queue) + (1 if node.busy else 0))
+        candidates: list[Candidate] = []
+        hop_budget = self.max_hops - sr.hops
+        if hop_budget > 0 and cfg.nodes > 1:
+            if policy_name in _USES_INDEX:
+                candidates = self._index_candidates(node, chain, sr.visited)
+            elif policy_name == "oracle":
+                candidates = self._oracle_candidates(node, chain)
+        ctx = RouteContext(
+            prompt_tokens=n_tok,
+            local_matched_tokens=local_matched,
+            local_prefill_tps=cfg.prefill_tps,
+            local_queue_wait_s=local_wait,
+            local_load=local_load,
+            candidates=tuple(candidates),
+            hop_budget=hop_budget,
+            visited=sr.visited,
+            first_block=chain[0] if chain else None,
+            all_peers=self.all_pids if policy_name in _PICK_ONE else (),
+        )
+        decision = node.policy.decide(ctx)
+        if decision.action == FORWARD and decision.peer is not None:
+            target = self.by_pid[decision.peer]
+            est = next((c.matched_tokens for c in candidates if c.peer == decision.peer), 0)
+            if cfg.ski_rental and est >= 16 and decision.est_peer_s is not None:
+                # Ski rental (a proposal): forwarding for a prefix costs one RTT each time
+                # ("rent"); serving it here once costs the extra prefill of a miss ("buy")
+                # and then every later request for it is local. Rent until the rent paid
+                # for this prefix reaches the buy price, then buy: 2-competitive.
+                key = chain[est // 16 - 1]
+                rent = node.rent.get(key, 0.0) + self.rtt_s
+                buy = decision.est_local_s - (decision.est_peer_s - self.rtt_s)
+                if rent >= buy:
+                    node.rent.pop(key, None)
+                    self._enqueue(node, sr, local_matched)
+                    return
+                node.rent[key] = rent
+            sr.est_tokens = est
+            sr.est_from = node.idx
+            if cfg.inflight_correction:
+                node.fwd_log.setdefault(decision.peer, deque()).append(self.now)
+            sr.visited = sr.visited | {node.pid}
+            sr.hops += 1
+            d = self.link_delay()
+            sr.back_s += d
+            sr.node = target
+            self._push(self.now + d, _EV_ARRIVE, sr)
+            return
+        self._enqueue(node, sr, local_matched)
+
+    def _index_candidates(
+        self, node: _Node, chain: list[bytes], visited: frozenset[bytes]
+    ) -> list[Candidate]:
+        matches = node.index.longest_matches(self.ns, chain) if chain else {}
+        cands: list[Candidate] = []
+        seen = set()
+        for peer, blocks in matches.items():
+            if peer in visited or peer == node.pid or peer not in self.by_pid:
+                continue
+            c = self._estimate_candidate(node, peer, blocks * 16)
+            if c is not None:
+                cands.append(c)
+                seen.add(peer)
+        k = self.cfg.shed_candidates
+        if k and node.known and self.cfg.policy == "prefixmesh":
+            for peer in self.rng_route.sample(node.known, min(k, len(node.known))):
+                if peer in seen or peer in visited or peer == node.pid:
+                    continue
+                c = self._estimate_candidate(node, peer, 0)
+                if c is not None:
+                    cands.append(c)
+                    seen.add(peer)
+        return cands
+
+    def _estimate_candidate(self, node: _Node, peer: bytes, matched: int) -> Candidate | None:
+        est = node.index.estimate(peer)
+        if est is None:
+            return None
+        load = float(est.load.queue_depth + est.load.active)
+        if self.cfg.inflight_correction:
+            # Requests this node forwarded to the peer after the peer issued the load
+            # figure it advertised are not in that figure yet: count them on top.
+            log = node.fwd_log.get(peer)
+            if log:
+                issued = est.expires_at - self.cfg.digest_ttl_s
+                while log and log[0] <= issued:
+                    log.popleft()
+                load += len(log)
+        return Candidate(
+            peer=peer,
+            matched_tokens=matched,
+            prefill_tps=est.load.prefill_tps,
+            queue_wait_s=load * node.svc_mean,
+            load=load,
+            rtt_s=self.rtt_s,
+            trust=node.trust.get(peer, 1.0),
+        )
+
+    def _oracle_candidates(self, node: _Node, chain: list[bytes]) -> list[Candidate]:
+        cands = []
+        for other in self.nodes:
+            if other is node:
+                continue
+            cands.append(
+                Candidate(
+                    peer=other.pid,
+                    matched_tokens=self._true_match_tokens(other, chain),
+                    prefill_tps=self.cfg.prefill_tps,
+                    queue_wait_s=self._queue_wait(other),
+                    load=float(len(other.queue) + (1 if other.busy else 0)),
+                    rtt_s=self.rtt_s,
+                )
+            )
+        return cands
+
+    def _service_estimate(self, n_tok: int, matched: int, max_tokens: int) -> float:
+        cfg = self.cfg
+        reuse = matched if matched >= self.min_reuse else 0
+        return (
+            (cfg.restore_s if reuse else 0.0)
+            + (n_tok - reuse) / cfg.prefill_tps
+            + max_tokens / cfg.decode_tps
+        )
+
+    def _enqueue(self, node: _Node, sr: _Req, local_matched: int) -> None:
+        sr.enqueued_at = self.now
+        sr.svc_est = self._service_estimate(len(sr.req.tokens), local_matched, sr.req.max_tokens)
+        if sr.hops:
+            self.m_forwarded += 1
+            self.m_hops += sr.hops
+            if node.liar:
+                self.m_to_liar += 1
+        if node.busy:
+            node.queue.append(sr)
+            node.queued_work += sr.svc_est
+        else:
+            self._start(node, sr)
+
+    def _start(self, node: _Node, sr: _Req) -> None:
+        cfg = self.cfg
+        req = sr.req
+        tokens = req.tokens
+        n_tok = len(tokens)
+        m = node.tree.match(tokens).length
+        reused = min(m, n_tok - 1)
+        if reused < self.min_reuse:
+            reused = 0
+        restore = cfg.restore_s if reused else 0.0
+        prefill = restore + (n_tok - reused) / cfg.prefill_tps
+        decode = req.max_tokens / cfg.decode_tps
+        svc = prefill + decode
+        wait = self.now - (req.arrival_s + self.warmup)
+        self.m_ttft.append(wait + prefill + sr.back_s)
+        self.m_e2e.append(wait + svc + sr.back_s)
+        self.m_reused += reused
+        self.m_prompt += n_tok
+        if reused:
+            self.m_req_hits += 1
+        if sr.est_tokens > 0:
+            # A false hit: the router's estimate exceeded what the serving node's own tree
+            # actually holds when the request starts (stale digest, eviction while queued,
+            # or a lie). Compared with the raw match, not the reuse threshold.
+            self.m_est_forwards += 1
+            if m < sr.est_tokens:
+                self.m_false_hits += 1
+                self.m_false_hit_tokens += sr.est_tokens - m
+            if self.cfg.trust_feedback and sr.est_from >= 0:
+                # AIMD on the router's trust in the serving peer (a proposal, not yet a
+                # node feature): the reply tells the router how much was really reused;
+                # a claim that fell short halves trust, a kept claim adds 0.1. Three
+                # broken claims in a row put a peer under the default trust floor (0.2).
+                router = self.nodes[sr.est_from]
+                old = router.trust.get(node.pid, 1.0)
+                kept = m >= sr.est_tokens
+                router.trust[node.pid] = min(1.0, old + 0.1) if kept else old * 0.5
+        node.busy = True
+        node.busy_until = self.now + svc
+        node.busy_time += svc
+        node.served += 1
+        node.svc_mean = 0.9 * node.svc_mean + 0.1 * svc
+        node.current = sr
+        self._push(self.now + svc, _EV_DONE, node)
+
+    def _done(self, node: _Node) -> None:
+        sr = node.current
+        node.current = None
+        node.busy = False
+        self.m_done += 1
+        req = sr.req
+        tokens = req.tokens
+        chain = self._chain(req)
+        if chain:
+            self.recent_chains.append(chain)
+        if node.tree.get(tokens) is None:
+            size = len(tokens) * self.cfg.bytes_per_token
+            entry = node.tree.insert(tokens, chain, size)
+            if entry is not None and chain:
+                node.ae.local_add_prefix(self.ns, chain)  # liars advertise real ones too
+                tb = node.true_blocks
+                for h in chain:
+                    tb[h] = tb.get(h, 0) + 1
+        else:
+            node.tree.match(tokens)  # a use, for LRU
+        if node.queue:
+            nxt = node.queue.popleft()
+            node.queued_work = max(0.0, node.queued_work - nxt.svc_est)
+            self._start(node, nxt)
+
+    # -- gossip --------------------------------------------------------------------------
+
+    def _gossip(self, node: _Node) -> None:
+        cfg = self.cfg
+        now = self.now
+        if node.liar:
+            self._lie(node)
+        node.ae.set_local_load(
+            LoadFigures(
+                queue_depth=len(node.queue),
+                active=1 if node.busy else 0,
+                prefill_tps=cfg.prefill_tps,
+                decode_tps=cfg.decode_tps,
+            ),
+            cfg.kv_capacity_bytes,
+            node.tree.used_bytes,
+        )
+        node.ae.tick(now)
+        for origin in node.ae.expire(now):
+            node.index.drop_peer(origin)
+        node.index.expire(now)
+        node.known = [p for p in node.index.peers() if p != node.pid]
+        n = cfg.nodes
+        k = min(cfg.gossip_fanout, n - 1)
+        for j in self.rng_gossip.sample(range(n - 1), k):
+            peer = self.nodes[j if j < node.idx else j + 1]
+            self._send(node, peer, _gossip.open_exchange(node.ae))
+        self._push(now + cfg.gossip_interval_s, _EV_GOSSIP, node)
+
+    def _lie(self, node: _Node) -> None:
+        """Advertise a few recently requested (hence popular) prefixes without holding them."""
+        if not self.recent_chains:
+            return
+        for _ in range(4):
+            chain = self.recent_chains[self.rng_liar.randrange(len(self.recent_chains))]
+            node.ae.local_add_prefix(self.ns, chain)
+            node.lies.append(chain)
+        while len(node.lies) > 64:
+            node.ae.local_remove_prefix(self.ns, node.lies.popleft())
+
+    def _send(self, src: _Node, dst: _Node, msg: _gossip.Message | None) -> None:
+        if msg is None:
+            return
+        src.bytes_sent += msg.nbytes
+        self.m_gossip_msgs += 1
+        self._push(self.now + self.link_delay(), _EV_MSG, (src, dst), msg)
+
+    def _message(self, pair: tuple[_Node, _Node], msg: _gossip.Message) -> None:
+        src, dst = pair
+        reply, applied, dropped = _gossip.handle(
+            dst.ae, msg, self.now, self.cfg.gossip_budget_bytes, decode=self.cfg.decode_messages
+        )
+        for record in applied:
+            if record.origin != dst.pid:
+                dst.index.apply(record, self.now)
+        for origin in dropped:
+            dst.index.drop_peer(origin)
+        self._send(dst, src, reply)
+
+    # -- results -------------------------------------------------------------------------
+
+    def _result(self, wall: float) -> SimResult:
+        cfg = self.cfg
+        wl = self.workload
+        n = cfg.nodes
+        served = [nd.served for nd in self.nodes]
+        busy = [nd.busy_time for nd in self.nodes]
+        mean_served = sum(served) / n
+        mean_busy = sum(busy) / n
+        span = max(1e-9, self.now)
+        hit = self.m_reused / self.m_prompt if self.m_prompt else 0.0
+        ideal = wl.ideal_hit_ratio()
+        total_bytes = sum(nd.bytes_sent for nd in self.nodes)
+        metrics = {
+            "hit_ratio": hit,
+            "ideal_hit_ratio": ideal,
+            "hit_vs_ideal": hit / ideal if ideal else 0.0,
+            "request_hit_fraction": self.m_req_hits / max(1, self.m_done),
+            "ttft_s": _stats(self.m_ttft),
+            "latency_s": _stats(self.m_e2e),
+            "load_imbalance_requests": max(served) / mean_served if mean_served else 0.0,
+            "load_imbalance_busy": max(busy) / mean_busy if mean_busy else 0.0,
+            "forwarded_fraction": self.m_forwarded / max(1, self.m_done),
+            "mean_hops_forwarded": self.m_hops / self.m_forwarded if self.m_forwarded else 0.0,
+            "false_hit_rate": self.m_false_hits / self.m_est_forwards
+            if self.m_est_forwards
+            else 0.0,
+            "forwards_with_estimate": self.m_est_forwards,
+            "digest_bytes_per_node_s": total_bytes / n / span,
+            "gossip_messages": self.m_gossip_msgs,
+            "forwarded_to_liars": self.m_to_liar,
+            "liars": sum(1 for nd in self.nodes if nd.liar),
+            "requests_per_wall_minute": self.m_done / wall * 60.0 if wall > 0 else 0.0,
+        }
+        conf = asdict(cfg)
+        conf["routing"] = asdict(cfg.routing)
+        conf["resolved_max_hops"] = self.max_hops
+        conf["resolved_min_reuse_tokens"] = self.min_reuse
+        return SimResult(conf, wl.name, self.m_done, span, wall, metrics)
+
+
+def simulate(workload: Workload, config: SimConfig) -> SimResult:
+    """Run one simulation."""
+    return Simulator(workload, config).run()
+
+
+# ---------------------------------------------------------------------------- convergence
+
+
+def measure_convergence(
+    nodes: int,
+    *,
+    fanout: int = 2,
+    interval_s: float = 1.0,
+    delay_ms: float = 2.0,
+    seed: int = 0,
+    max_intervals: float = 60.0,
+) -> dict:
+    """Time for a new prefix cached at one node to be known to all others (no requests).
+
+    N nodes start converged (every node holds every other's records), gossip for two
+    intervals, then node 0 caches a new prefix; the result is when the last node's ``PeerCacheIndex`` first matches it, in
+    seconds and in gossip intervals, with the bound ``2 ln(N+1)/fanout + 2`` intervals.
+    """
+    wl = Workload("convergence", [], "none")
+    cfg = SimConfig(
+        nodes=nodes, policy="local", delay_ms=delay_ms, gossip_interval_s=interval_s,
+        gossip_fanout=fanout, seed=seed,
+    )  # fmt: skip
+    sim = Simulator(wl, cfg)
+    wall0 = time.perf_counter()
+    with memoised_record_decoding():
+        # Warm-up by pre-seeding: every node receives every other node's current signed
+        # records through AntiEntropy.receive, i.e. the converged state gossip reaches
+        # after O(log N) rounds, without paying for those rounds at N=1024.
+        own = [[s.raw for s in n.ae.held_records(n.pid)] for n in sim.nodes]
+        for n in sim.nodes:
+            raws = [raw for j, rs in enumerate(own) if j != n.idx for raw in rs]
+            for record in n.ae.receive(raws, 0.0).applied:
+                n.index.apply(record, 0.0)
+        for n in sim.nodes:
+            sim._push(sim.rng_gossip.uniform(0, interval_s), _EV_GOSSIP, n)
+
+        def run_until(pred, t_max: float) -> bool:
+            while sim.heap and sim.heap[0][0] <= t_max:
+                t, _, kind, a, b = heapq.heappop(sim.heap)
+                sim.now = t
+                if kind == _EV_GOSSIP:
+                    sim._gossip(a)
+                elif kind == _EV_MSG:
+                    sim._message(a, b)
+                if pred():
+                    return True
+            return pred()
+
+        everyone = nodes - 1
+
+        def all_known() -> bool:
+            return all(len(n.index) >= everyone for n in sim.nodes)
+
+        warm_ok = all_known()
+        t0 = 2 * interval_s  # let one round of exchanges settle first
+        run_until(lambda: False, t0)
+        sim.now = t0
+        rng = random.Random(seed + 1)
+        tokens = tuple(rng.randrange(50_000) for _ in range(64))
+        chain = chain_hashes(sim.ns_key, tokens)
+        src = sim.nodes[0]
+        src.ae.local_add_prefix(sim.ns, chain)
+        bytes0 = sum(n.bytes_sent for n in sim.nodes)
+        pending = {n.idx for n in sim.nodes[1:]}
+        t_known: dict[int, float] = {}
+
+        # Checking every node after every event is O(N) per event: check after each
+        # message delivered to a still-pending node instead.
+        while sim.heap and pending and sim.heap[0][0] <= t0 + max_intervals * interval_s:
+            t, _, kind, a, b = heapq.heappop(sim.heap)
+            sim.now = t
+            if kind == _EV_GOSSIP:
+                sim._gossip(a)
+            elif kind == _EV_MSG:
+                sim._message(a, b)
+                dst = a[1]
+                if dst.idx in pending and dst.index.longest_match(src.pid, sim.ns, chain) >= len(
+                    chain
+                ):
+                    pending.discard(dst.idx)
+                    t_known[dst.idx] = sim.now - t0
+        t_all = max(t_known.values()) if not pending and t_known else float("inf")
+        span = max(1e-9, sim.now - t0)
+        bytes1 = sum(n.bytes_sent for n in sim.nodes)
+    bound = 2 * math.log(nodes + 1) / fanout + 2
+    return {
+        "nodes": nodes,
+        "fanout": fanout,
+        "interval_s": interval_s,
+        "warmup_complete": warm_ok,
+        "converged": not pending,
+        "convergence_s": t_all,
+        "convergence_intervals": t_all / interval_s,
+        "bound_intervals": bound,
+        "within_bound": t_all / interval_s <= bound,
+        "median_known_s": percentile(sorted(t_known.values()), 50) if t_known else float("inf"),
+        "digest_bytes_per_node_s": (bytes1 - bytes0) / nodes / span,
+        "wall_s": time.perf_counter() - wall0,
+    }
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def add_sim_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``prefixmesh bench sim`` (shared with ``python -m prefixmesh.bench.sim``)."""
+    d = SimConfig()
+    p.add_argument("--workload", default="mmlu",
+                   help="mmlu | mmlu-gen | sharegpt | synthetic | PATH (generic JSONL)")
+    p.add_argument("--shared-dir", default=None,
+                   help="folder holding workloads/ (default $PREFIXMESH_SHARED_DIR or ../shared)")
+    p.add_argument("--tokenizer", default="auto", choices=["auto", "llama", "proxy"])
+    p.add_argument("--requests", type=int, default=None, help="first N requests of the trace")
+    p.add_argument("--zipf-alpha", type=float, default=None)
+    p.add_argument("--rate", type=float, default=None,
+                   help="arrival rate, requests/s (generated workloads: mmlu-gen, synthetic, sharegpt)")
+    p.add_argument("--rate-factor", type=float, default=1.0,
+                   help="divide every arrival time by this (0.25: the MMLU trace at 1 req/s)")
+    p.add_argument("--nodes", type=int, default=d.nodes)
+    p.add_argument("--policy", default=d.policy)
+    p.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way link delay")
+    p.add_argument("--jitter-ms", type=float, default=d.jitter_ms)
+    p.add_argument("--prefill-tps", type=float, default=d.prefill_tps)
+    p.add_argument("--decode-tps", type=float, default=d.decode_tps)
+    p.add_argument("--restore-s", type=float, default=d.restore_s)
+    p.add_argument("--kv-capacity-mb", type=float, default=d.kv_capacity_bytes / 2**20)
+    p.add_argument("--gossip-interval", type=float, default=d.gossip_interval_s)
+    p.add_argument("--fanout", type=int, default=d.gossip_fanout)
+    p.add_argument("--max-hops", type=int, default=None)
+    p.add_argument("--liars", type=float, default=0.0, help="fraction of lying nodes")
+    p.add_argument("--trust-feedback", action="store_true",
+                   help="routers lower a peer's trust when its actual reuse falls short")
+    p.add_argument("--ski-rental", action="store_true",
+                   help="serve a prefix locally once the RTT paid forwarding it exceeds a miss")
+    p.add_argument("--inflight-correction", action="store_true",
+                   help="add a router's own recent forwards to a peer's advertised load")
+    p.add_argument("--entry", default=d.entry, choices=["random", "round-robin", "first"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+
+
+def config_from_args(ns: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        nodes=ns.nodes,
+        policy=ns.policy,
+        delay_ms=ns.delay_ms,
+        jitter_ms=ns.jitter_ms,
+        prefill_tps=ns.prefill_tps,
+        decode_tps=ns.decode_tps,
+        restore_s=ns.restore_s,
+        kv_capacity_bytes=int(ns.kv_capacity_mb * 2**20),
+        gossip_interval_s=ns.gossip_interval,
+        gossip_fanout=ns.fanout,
+        max_hops=ns.max_hops,
+        liar_fraction=ns.liars,
+        trust_feedback=ns.trust_feedback,
+        inflight_correction=ns.inflight_correction,
+        ski_rental=ns.ski_rental,
+        entry=ns.entry,
+        seed=ns.seed,
+    )
+
+
+def run_bench_sim(ns: argparse.Namespace) -> int:
+    """``prefixmesh bench sim``: run one simulation and print its metrics."""
+    from .workloads import WorkloadError, load_workload  # noqa: PLC0415
+
+    try:
+        wl = load_workload(
+            ns.workload, n_requests=ns.requests, shared=ns.shared_dir, tokenizer=ns.tokenizer,
+            alpha=ns.zipf_alpha, rate=ns.rate, seed=ns.seed,
+        )  # fmt: skip
+        if ns.rate_factor != 1.0:
+            if not ns.rate_factor > 0:
+                raise ValueError("--rate-factor must be > 0")
+            wl = wl.scaled(ns.rate_factor)
+        cfg = config_from_args(ns)
+        result = simulate(wl, cfg)
+    except (WorkloadError, ValueError) as exc:
+        print(f"prefixmesh bench sim: {exc}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(result.to_json())
+        return 0
+    m = result.metrics
+    print(
+        f"{result.workload}: {result.requests} requests, N={cfg.nodes}, policy={cfg.policy}, "
+        f"delay={cfg.delay_ms:g} ms one-way\n"
+        f"  hit ratio {m['hit_ratio']:.3f} (ideal {m['ideal_hit_ratio']:.3f}, "
+        f"{m['hit_vs_ideal']:.3f} x ideal)\n"
+        f"  latency mean {m['latency_s']['mean']:.3f}s p50 {m['latency_s']['p50']:.3f}s "
+        f"p99 {m['latency_s']['p99']:.3f}s; TTFT mean {m['ttft_s']['mean']:.3f}s\n"
+        f"  load max/mean {m['load_imbalance_requests']:.2f} (busy {m['load_imbalance_busy']:.2f});"
+        f" forwarded {m['forwarded_fraction']:.3f}; false hits {m['false_hit_rate']:.3f}\n"
+        f"  digest {m['digest_bytes_per_node_s']:.0f} B/s per node; "
+        f"{m['requests_per_wall_minute']:.0f} simulated requests per wall minute"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.bench.sim", description=__doc__)
+    add_sim_arguments(p)
+    return run_bench_sim(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,404 @@
+"""The node's view of an inference engine: a small async ``Backend`` protocol.
+
+The overlay (routing, forwarding, digests) needs five things from an engine: turn chat
+messages into prompt token ids, say how long a prefix of a prompt it holds in a
+namespace, stream a generation, report its load, and report which prefixes entered or
+left its cache. :class:`Backend` is exactly that, so the overlay can be tested and
+benchmarked with :class:`SimulatedBackend` (a deterministic model of an engine: a radix
+tree of cached prompts, prefill/decode timed at configured rates, no model) and run for
+real with :class:`LlamaBackend` (the llama.cpp engine of ``inference/engine.py``).
+
+Threading (LlamaBackend): llama.cpp must only ever be called from one thread. The engine
+owns a single worker thread; every call from trio goes through
+``trio.to_thread.run_sync`` into the engine API (which queues to its worker), and streamed
+tokens come back through a bounded trio memory channel fed by
+``trio.from_thread.run``. Cancelling the consuming trio task cancels the engine request.
+
+Cache events are *polled* (:meth:`Backend.drain_cache_events`): the engine appends to a
+thread-safe deque, the daemon drains it every digest tick. No cross-thread callbacks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import trio
+
+from prefixmesh.inference.blocks import chain_hashes
+from prefixmesh.inference.radix import RadixTree
+
+__all__ = [
+    "BackendError",
+    "BackendOverloaded",
+    "GenerateRequest",
+    "TokenChunk",
+    "Completion",
+    "CacheEvent",
+    "BackendLoad",
+    "Backend",
+    "SimulatedBackend",
+    "LlamaBackend",
+    "ns_pseudo_token",
+]
+
+
+class BackendError(Exception):
+    """The engine failed a request (message says why)."""
+
+
+class BackendOverloaded(BackendError):
+    """The engine's queue is full."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    ns: bytes  # namespace id (8 bytes)
+    tokens: tuple[int, ...]  # prompt token ids, rendered and tokenized once
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    deadline: float = math.inf  # absolute Unix seconds
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    total_s: float
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    kind: str  # "add" | "remove"
+    ns: bytes  # namespace id
+    chain: tuple[bytes, ...]  # chained block hashes of the prefix under the namespace key
+
+
+@dataclass(frozen=True)
+class BackendLoad:
+    queue_depth: int  # requests waiting
+    active: int  # requests running
+    prefill_tps: float
+    decode_tps: float
+    kv_capacity_bytes: int
+    kv_used_bytes: int
+    avg_request_s: float  # recent mean service time of one request (queue-wait estimates)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    model_fingerprint: bytes
+
+    async def load(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    def register_namespace(self, name: str, key: bytes, ns_id: bytes) -> None: ...
+
+    async def tokenize(self, messages: Sequence[tuple[str, str]]) -> tuple[int, ...]: ...
+
+    async def match_length(self, ns: bytes, tokens: Sequence[int]) -> int: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Completion]: ...
+
+    def load_figures(self) -> BackendLoad: ...
+
+    def drain_cache_events(self) -> list[CacheEvent]: ...
+
+
+def ns_pseudo_token(ns: bytes) -> int:
+    """A negative int standing for a namespace at the root of a shared radix tree
+    (disjoint from real token ids by construction; see ARCHITECTURE.md, radix)."""
+    return -1 - int.from_bytes(ns[:7].ljust(7, b"\0"), "big")
+
+
+_WORDS = (
+    "alpha bravo cache delta echo fox grid hash index join key list mesh node "
+    "overlay prefix query radix shard token unit vector wire"
+).split()
+
+
+class SimulatedBackend:
+    """A deterministic stand-in for an engine (no model): benchmarks and overlay tests.
+
+    * tokenize: the UTF-8 bytes of ``"role: content\\n"`` per message + ``"assistant:"``;
+    * cache: every served prompt is inserted into a :class:`RadixTree` (per namespace,
+      ``bytes_per_token`` each) under ``capacity_bytes``; evictions become cache events;
+    * timing: one request at a time (like the real engine's single worker); prefill of the
+      uncached part at ``prefill_tps`` and each output token at ``decode_tps`` (0 = no
+      sleeping: for measuring overlay overhead alone);
+    * output: words chosen by a hash of the prompt and position, so every node produces
+      the same answer to the same prompt (as a greedy model would).
+    """
+
+    def __init__(
+        self,
+        *,
+        model_fingerprint: bytes = b"simulated-model",
+        prefill_tps: float = 0.0,
+        decode_tps: float = 0.0,
+        capacity_bytes: int = 1 << 30,
+        bytes_per_token: int = 1024,
+        max_queue: int = 64,
+    ):
+        self.model_fingerprint = model_fingerprint
+        self.prefill_tps = prefill_tps
+        self.decode_tps = decode_tps
+        self.bytes_per_token = bytes_per_token
+        self.max_queue = max_queue
+        self._events: deque[CacheEvent] = deque()
+        self._tree = RadixTree(capacity_bytes, on_evict=self._evicted)
+        self._lock = trio.Lock()
+        self._waiting = 0
+        self._active = 0
+        self._avg_request_s = 0.5
+        self._keys: dict[bytes, bytes] = {}
+
+    def register_namespace(self, name: str, key: bytes, ns_id: bytes) -> None:
+        self._keys[ns_id] = key
+
+    def _event(self, kind: str, ns: bytes, tokens: Sequence[int]) -> None:
+        key = self._keys.get(ns)
+        if key is not None:
+            chain = tuple(chain_hashes(key, tokens))
+            if chain:
+                self._events.append(CacheEvent(kind, ns, chain))
+
+    def _evicted(self, entry) -> None:
+        ns, tokens = entry.payload
+        self._event("remove", ns, tokens)
+
+    async def load(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def tokenize(self, messages: Sequence[tuple[str, str]]) -> tuple[int, ...]:
+        text = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+        return tuple(text.encode("utf-8"))
+
+    async def match_length(self, ns: bytes, tokens: Sequence[int]) -> int:
+        m = self._tree.match((ns_pseudo_token(ns), *tokens))
+        return max(0, m.length - 1)
+
+    def insert_prefix(self, ns: bytes, tokens: Sequence[int]) -> None:
+        """Put a prefix in the cache (as serving a prompt would)."""
+        key = (ns_pseudo_token(ns), *tokens)
+        if self._tree.get(key) is None:
+            entry = self._tree.insert(key, (ns, tuple(tokens)), len(tokens) * self.bytes_per_token)
+            if entry is not None:
+                self._event("add", ns, tokens)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Completion]:
+        if self._waiting >= self.max_queue:
+            raise BackendOverloaded(f"{self._waiting} requests queued")
+        t0 = time.perf_counter()
+        self._waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+        self._active += 1
+        try:
+            cached = await self.match_length(request.ns, request.tokens)
+            if self.prefill_tps > 0:
+                await trio.sleep((len(request.tokens) - cached) / self.prefill_tps)
+            self.insert_prefix(request.ns, request.tokens)
+            ttft = time.perf_counter() - t0
+            seed = hashlib.blake2b(bytes(str(request.tokens), "ascii"), digest_size=8).digest()
+            n = request.max_tokens
+            for i in range(n):
+                if self.decode_tps > 0 and i:
+                    await trio.sleep(1.0 / self.decode_tps)
+                idx = int.from_bytes(hashlib.blake2b(seed + i.to_bytes(4, "big"), digest_size=2).digest(), "big")
+                yield TokenChunk(" " + _WORDS[idx % len(_WORDS)], (idx,))
+                await trio.sleep(0)
+            total = time.perf_counter() - t0
+            self._avg_request_s = 0.8 * self._avg_request_s + 0.2 * total
+            yield Completion(len(request.tokens), cached, n, ttft, total, "length")
+        finally:
+            self._active -= 1
+            self._lock.release()
+
+    def load_figures(self) -> BackendLoad:
+        return BackendLoad(
+            queue_depth=self._waiting,
+            active=self._active,
+            prefill_tps=self.prefill_tps or 1e6,
+            decode_tps=self.decode_tps or 1e6,
+            kv_capacity_bytes=self._tree.capacity_bytes,
+            kv_used_bytes=self._tree.used_bytes,
+            avg_request_s=self._avg_request_s,
+        )
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+
+class LlamaBackend:
+    """The llama.cpp engine (``inference/engine.py``) behind the :class:`Backend` protocol.
+
+    The engine owns the only thread that calls llama.cpp; this adapter only submits
+    requests and waits for their pieces in trio worker threads
+    (``trio.to_thread.run_sync(..., abandon_on_cancel=True)``). When the consuming trio
+    task is cancelled (client gone, deadline, shutdown) the engine request is cancelled
+    too (the engine stops at its next token).
+    """
+
+    def __init__(self, engine_config=None, **engine_overrides):
+        from prefixmesh.inference.model import read_gguf_info, resolve_model
+
+        self._engine_config = engine_config
+        self._engine_overrides = engine_overrides
+        path = engine_overrides.get("model_path") or getattr(engine_config, "model_path", None)
+        self.model_path = resolve_model(path, progress=False)
+        self.model_fingerprint: bytes = read_gguf_info(self.model_path).fingerprint
+        self.engine = None
+        self._events: deque[CacheEvent] = deque()
+        self._namespaces: dict[bytes, object] = {}
+        self._pending_ns: list[tuple[str, bytes, bytes]] = []
+        self._avg_request_s = 1.0
+
+    async def load(self) -> None:
+        from prefixmesh.inference.engine import Engine
+
+        def build():
+            return Engine(self._engine_config, model_path=self.model_path, **{
+                k: v for k, v in self._engine_overrides.items() if k != "model_path"})
+
+        self.engine = await trio.to_thread.run_sync(build)
+        self.engine.set_event_callback(self._on_cache_event)
+        for name, key, ns_id in self._pending_ns:
+            self._register(name, key, ns_id)
+        self._pending_ns.clear()
+
+    def _on_cache_event(self, ev) -> None:  # engine thread: deque.append is thread-safe
+        if ev.chain:
+            self._events.append(CacheEvent(ev.kind, ev.ns, tuple(ev.chain)))
+
+    def register_namespace(self, name: str, key: bytes, ns_id: bytes) -> None:
+        if self.engine is None:
+            self._pending_ns.append((name, key, ns_id))
+        else:
+            self._register(name, key, ns_id)
+
+    def _register(self, name: str, key: bytes, ns_id: bytes) -> None:
+        from prefixmesh.inference.engine import Namespace
+
+        ns = Namespace(name=name, key=key, id=ns_id)
+        self._namespaces[ns_id] = ns
+        self.engine.register_namespace(ns)
+
+    async def aclose(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            await trio.to_thread.run_sync(lambda: engine.close(flush=True, timeout=30))
+
+    async def tokenize(self, messages: Sequence[tuple[str, str]]) -> tuple[int, ...]:
+        from prefixmesh.inference.chat import ChatError
+
+        msgs = [{"role": r, "content": c} for r, c in messages]
+        try:
+            rendered = await trio.to_thread.run_sync(self.engine.render_chat, msgs)
+        except ChatError as exc:
+            raise BackendError(str(exc)) from None
+        return tuple(rendered.tokens)
+
+    async def match_length(self, ns: bytes, tokens: Sequence[int]) -> int:
+        namespace = self._namespaces.get(ns)
+        if namespace is None or self.engine is None:
+            return 0
+        return self.engine.cached_tokens(namespace, tokens)[0]
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Completion]:
+        from prefixmesh.inference.engine import EngineBusy, EngineError, SamplingParams
+
+        namespace = self._namespaces.get(request.ns)
+        if namespace is None or self.engine is None:
+            raise BackendError("namespace not registered with the engine")
+        params = SamplingParams(
+            max_tokens=max(1, request.max_tokens),
+            temperature=request.temperature,
+            seed=request.seed if request.temperature > 0 else None,
+            top_p=request.top_p if request.top_p > 0 else 1.0,
+        )
+        try:
+            handle = self.engine.submit_tokens(request.tokens, namespace, params)
+        except EngineBusy as exc:
+            raise BackendOverloaded(str(exc)) from None
+        except (EngineError, ValueError) as exc:
+            raise BackendError(str(exc)) from None
+        pieces = iter(handle)
+        t0 = time.perf_counter()
+
+        def next_piece():
+            return next(pieces, None)
+
+        try:
+            while True:
+                try:
+                    piece = await trio.to_thread.run_sync(next_piece, abandon_on_cancel=True)
+                except Exception as exc:  # the engine re-raises the request's failure here
+                    raise BackendError(str(exc)) from None
+                if piece is None:
+                    break
+                yield TokenChunk(piece.text, (piece.token,))
+            try:
+                completion = handle.result(timeout=5)
+            except Exception as exc:
+                raise BackendError(str(exc)) from None
+            st = completion.stats
+            total = time.perf_counter() - t0
+            self._avg_request_s = 0.7 * self._avg_request_s + 0.3 * total
+            yield Completion(
+                prompt_tokens=st.prompt_tokens,
+                cached_tokens=st.cached_tokens,
+                completion_tokens=st.completion_tokens,
+                ttft_s=st.ttft_s,
+                total_s=total,
+                finish_reason=completion.finish_reason,
+            )
+        finally:
+            if not handle.done:
+                handle.cancel()
+
+    def load_figures(self) -> BackendLoad:
+        if self.engine is None:
+            return BackendLoad(0, 0, 0.0, 0.0, 0, 0, self._avg_request_s)
+        load = self.engine.load()
+        capacity, used = self.engine.cache_usage()
+        return BackendLoad(
+            queue_depth=load.queue_depth,
+            active=load.active,
+            prefill_tps=load.prefill_tps or 400.0,  # measured figure of the default model until measured
+            decode_tps=load.decode_tps or 100.0,
+            kv_capacity_bytes=capacity,
+            kv_used_bytes=used,
+            avg_request_s=self._avg_request_s,
+        )
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out

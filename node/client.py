@@ -1,0 +1,388 @@
+"""A light client: its own ephemeral identity, serves nothing, talks to one node.
+
+    async with Client.connect("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...") as client:
+        async for item in client.stream([("user", "hello")], max_tokens=32):
+            if isinstance(item, str): print(item, end="")
+            else: final = item                      # wire.Final: stats + route trace
+
+The client asks the node for its model fingerprint once (``/prefixmesh/peers``), derives
+the tenant's namespace key from it, and signs each request with a per-request credential
+(``node.tenants``). Every wait is bounded by the request deadline plus a small grace, so
+a call never hangs: it yields the answer or raises a :class:`ClientError` subclass that
+says what went wrong (:class:`ConnectFailed`, :class:`RequestFailed` with the node's
+error code, :class:`ConnectionLost`, :class:`ClientTimeout`, :class:`ClientProtocolError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from prefixmesh.overlay import wire
+from prefixmesh.overlay.host import (
+    FramedStream,
+    HostError,
+    OverlayHost,
+    PeerTimeout,
+    split_p2p_addr,
+)
+from prefixmesh.overlay.identity import Identity, peer_id_to_b58
+
+from .tenants import Tenant, TenantSpec, default_tenant_specs
+
+__all__ = [
+    "ClientError",
+    "ConnectFailed",
+    "RequestFailed",
+    "ConnectionLost",
+    "ClientTimeout",
+    "ClientProtocolError",
+    "Answer",
+    "Client",
+    "open_client_for_cli",
+    "LOCAL_NODE_FILE",
+]
+
+#: the daemon writes its addresses here (under its cache dir) for clients without --peer
+LOCAL_NODE_FILE = "node.addrs"
+_GRACE_S = 3.0
+
+
+class ClientError(Exception):
+    """Base class of client errors."""
+
+
+class ConnectFailed(ClientError):
+    """The node could not be reached."""
+
+
+class RequestFailed(ClientError):
+    """The node answered with an ERROR frame."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ConnectionLost(ClientError):
+    """The stream ended before the answer was complete."""
+
+
+class ClientTimeout(ClientError):
+    """No complete answer within the deadline."""
+
+
+class ClientProtocolError(ClientError):
+    """The node sent something the protocol does not allow."""
+
+
+@dataclass
+class Answer:
+    text: str
+    final: wire.Final
+    ttft_s: float  # measured by the client
+    total_s: float
+
+
+class Client:
+    def __init__(self, host: OverlayHost, peer: bytes, addr: str):
+        self.host = host
+        self.peer = peer
+        self.addr = addr
+        self.model: bytes | None = None
+
+    @property
+    def peer_b58(self) -> str:
+        return peer_id_to_b58(self.peer)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(cls, peer_addr: str, *, identity: Identity | None = None,
+                      timeout_s: float = 10.0) -> AsyncIterator[Client]:
+        try:
+            peer, transport = split_p2p_addr(peer_addr)
+        except Exception as exc:
+            raise ConnectFailed(f"bad peer address {peer_addr!r}: {exc}") from None
+        host = OverlayHost(identity or Identity.generate(), [])
+        async with host.run():
+            try:
+                await host.connect(peer, [transport], timeout_s)
+            except HostError as exc:
+                raise ConnectFailed(f"cannot reach {peer_addr}: {exc}") from None
+            yield cls(host, peer, peer_addr)
+
+    # --- peers -----------------------------------------------------------------------
+
+    async def peers(self, timeout_s: float = 10.0) -> wire.PeersReply:
+        try:
+            stream = await self.host.open_stream(self.peer, wire.PEERS_PROTOCOL, timeout_s)
+            fs = FramedStream(stream, timeout_s=timeout_s)
+            await fs.send(wire.PeersQuery())
+            reply = await fs.receive()
+            await fs.close()
+        except HostError as exc:
+            raise ConnectFailed(f"peers query failed: {exc}") from None
+        except wire.WireError as exc:
+            raise ClientProtocolError(f"bad peers reply: {exc}") from None
+        if not isinstance(reply, wire.PeersReply):
+            raise ClientProtocolError(f"expected PEERS_REPLY, got {type(reply).__name__}")
+        self.model = reply.model
+        return reply
+
+    async def model_fingerprint(self) -> bytes:
+        if self.model is None:
+            await self.peers()
+        assert self.model is not None
+        return self.model
+
+    async def tenant(self, spec: TenantSpec | None = None) -> Tenant:
+        spec = spec or default_tenant_specs()[0]
+        return Tenant.derive(spec, await self.model_fingerprint())
+
+    # --- requests --------------------------------------------------------------------
+
+    async def stream(
+        self,
+        messages: Sequence[tuple[str, str]] = (),
+        *,
+        tokens: Sequence[int] = (),
+        tenant: TenantSpec | Tenant | None = None,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        deadline_s: float = 60.0,
+        hop_budget: int = 2,
+    ) -> AsyncIterator[str | wire.Final]:
+        """Send one request; yield text pieces, then the FINAL frame (stats + route)."""
+        t = tenant if isinstance(tenant, Tenant) else await self.tenant(tenant)
+        request_id = os.urandom(16)
+        deadline = time.time() + deadline_s
+        req = wire.Request(
+            id=request_id,
+            ns=t.ns_id,
+            credential=t.credential(request_id, deadline),
+            messages=tuple(wire.Message(r, c) for r, c in messages),
+            tokens=tuple(tokens),
+            sampling=wire.Sampling(max_tokens=max_tokens, temperature=float(temperature),
+                                   top_p=float(top_p), seed=seed),
+            deadline=deadline,
+            hop_budget=hop_budget,
+        )
+        state = wire.InferStreamState()
+        try:
+            stream = await self.host.open_stream(self.peer, wire.INFER_PROTOCOL, min(10.0, deadline_s))
+        except HostError as exc:
+            raise ConnectFailed(f"cannot open a request stream: {exc}") from None
+        fs = FramedStream(stream, timeout_s=10.0)
+        try:
+            await fs.send(req)
+            state.request_sent(req)
+            while True:
+                remaining = deadline - time.time() + _GRACE_S
+                if remaining <= 0:
+                    raise ClientTimeout("no complete answer within the deadline")
+                try:
+                    frame = await fs.receive(timeout_s=remaining)
+                except PeerTimeout:
+                    raise ClientTimeout("no complete answer within the deadline") from None
+                except HostError as exc:
+                    raise ConnectionLost(f"connection lost: {exc}") from None
+                except wire.WireError as exc:
+                    raise ClientProtocolError(f"malformed answer: {exc}") from None
+                if frame is None:
+                    raise ConnectionLost("the node closed the stream before the answer was complete")
+                try:
+                    state.on_response(frame)
+                except wire.ProtocolViolation as exc:
+                    raise ClientProtocolError(str(exc)) from None
+                if isinstance(frame, wire.Tokens):
+                    yield frame.text
+                elif isinstance(frame, wire.Final):
+                    final = frame
+                elif isinstance(frame, wire.End):
+                    yield final
+                    return
+                elif isinstance(frame, wire.Error):
+                    raise RequestFailed(frame.code, frame.message)
+        finally:
+            with trio.CancelScope(shield=True):
+                if state.finished:
+                    await fs.close()
+                else:
+                    await fs.reset()
+
+    async def ask(self, messages: Sequence[tuple[str, str]] = (), **kwargs: Any) -> Answer:
+        t0 = time.perf_counter()
+        ttft = math.nan
+        pieces: list[str] = []
+        final: wire.Final | None = None
+        async with contextlib.aclosing(self.stream(messages, **kwargs)) as items:
+            async for item in items:
+                if isinstance(item, str):
+                    if math.isnan(ttft):
+                        ttft = time.perf_counter() - t0
+                    pieces.append(item)
+                else:
+                    final = item
+        assert final is not None
+        return Answer("".join(pieces), final, ttft, time.perf_counter() - t0)
+
+    # --- CLI adapters (node/chat_cli.py) ---------------------------------------------
+
+    def chat_send(self, max_tokens: int, tenant: TenantSpec | None = None):
+        from .chat_cli import TurnStats
+
+        async def send(messages: list[dict[str, str]]):
+            t0 = time.perf_counter()
+            ttft = math.nan
+            msgs = [(m["role"], m["content"]) for m in messages]
+            async with contextlib.aclosing(self.stream(msgs, tenant=tenant, max_tokens=max_tokens)) as items:
+                async for item in items:
+                    if isinstance(item, str):
+                        if math.isnan(ttft):
+                            ttft = time.perf_counter() - t0
+                        yield item
+                    else:
+                        yield turn_stats(item, ttft, time.perf_counter() - t0, TurnStats)
+
+        return send
+
+    @staticmethod
+    def describe_error(exc: BaseException) -> str:
+        if isinstance(exc, RequestFailed):
+            return f"the node refused or failed the request ({exc.code}): {exc.message}"
+        if isinstance(exc, ClientError):
+            return str(exc)
+        return f"{type(exc).__name__}: {exc}"
+
+    async def peers_report(self) -> dict[str, Any]:
+        reply = await self.peers()
+        return peers_report(reply)
+
+
+def peers_report(reply: wire.PeersReply) -> dict[str, Any]:
+    return {
+        "self": peer_id_to_b58(reply.self_peer),
+        "model": reply.model.hex(),
+        "addrs": list(reply.addrs),
+        "peers": [
+            {
+                "peer": peer_id_to_b58(p.peer),
+                "addrs": list(p.addrs),
+                "connected": p.connected,
+                "up": p.up,
+                "rtt_ms": p.rtt_ms,
+                "queue_depth": p.queue_depth,
+                "active": p.active,
+                "n_hashes": p.n_hashes,
+                "digest_age_s": p.digest_age_s,
+                "sources": list(p.sources),
+            }
+            for p in reply.peers
+        ],
+        "stats": dict(reply.stats),
+    }
+
+
+def route_lines(final: wire.Final) -> tuple[str, ...]:
+    out = []
+    for h in final.hops:
+        line = f"{peer_id_to_b58(h.peer)[-8:]}: {h.action}"
+        if h.next_peer:
+            line += f" -> {peer_id_to_b58(h.next_peer)[-8:]}"
+        out.append(f"{line} ({h.reason})")
+    return tuple(out)
+
+
+def turn_stats(final: wire.Final, ttft_s: float, total_s: float, cls):
+    return cls(
+        served_by=peer_id_to_b58(final.serving),
+        entry=peer_id_to_b58(final.entry) if final.entry else "",
+        hops=sum(1 for h in final.hops if h.action == "forward"),
+        prompt_tokens=final.prompt_tokens,
+        cached_tokens=final.cached_tokens,
+        completion_tokens=final.completion_tokens,
+        ttft_s=ttft_s,
+        total_s=total_s,
+        finish_reason=final.finish_reason,
+        route=route_lines(final),
+    )
+
+
+def _local_node_addr(cfg: Any) -> str:
+    path = Path(cfg.node.cache_dir) / LOCAL_NODE_FILE
+    try:
+        lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    except OSError:
+        raise ConnectFailed(
+            f"no --peer given and no local node found ({path} missing): start "
+            "`prefixmesh node` or pass --peer /ip4/.../tcp/.../p2p/ID"
+        ) from None
+    if not lines:
+        raise ConnectFailed(f"{path} lists no address")
+    return lines[0]
+
+
+@contextlib.asynccontextmanager
+async def open_client_for_cli(cfg: Any) -> AsyncIterator[Client]:
+    """The client for ``prefixmesh chat/ask/peers``: connects to ``[client].peer`` (or
+    the local node's address file) and binds the configured tenant."""
+    addr = cfg.client.peer or _local_node_addr(cfg)
+    spec = cfg.tenant(cfg.client.tenant) if hasattr(cfg, "tenant") else None
+    async with Client.connect(addr) as client:
+        original = client.chat_send
+
+        def chat_send(max_tokens: int, tenant: TenantSpec | None = spec):
+            return original(max_tokens, tenant)
+
+        client.chat_send = chat_send  # type: ignore[method-assign]
+        yield client
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m prefixmesh.node.client peers ADDR`` / ``ask ADDR TEXT``: JSON on stdout
+    (scripts and tests; the user-facing commands are ``prefixmesh peers/ask``)."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.node.client")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("peers")
+    sp.add_argument("addr")
+    sa = sub.add_parser("ask")
+    sa.add_argument("addr")
+    sa.add_argument("text")
+    sa.add_argument("--max-tokens", type=int, default=32)
+    a = p.parse_args(argv)
+
+    async def run() -> dict[str, Any]:
+        async with Client.connect(a.addr) as client:
+            if a.cmd == "peers":
+                return await client.peers_report()
+            ans = await client.ask([("user", a.text)], max_tokens=a.max_tokens)
+            return {"answer": ans.text, "serving": peer_id_to_b58(ans.final.serving),
+                    "cached_tokens": ans.final.cached_tokens, "route": list(route_lines(ans.final))}
+
+    try:
+        out = trio.run(run)
+    except ClientError as exc:
+        print(json.dumps({"error": str(exc)}))
+        return 1
+    json.dump(out, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,455 @@
+"""The node daemon: identity + libp2p host + discovery + digests + heartbeat + routing +
+the inference engine, in one trio process.
+
+Wiring
+    engine cache events (polled each digest tick) -> ``AntiEntropy.local_add_prefix`` /
+    ``local_remove_prefix``; engine load -> ``AntiEntropy.set_local_load``; applied
+    digest records -> ``PeerCacheIndex``; origins' addrs in records, bootstrap, mDNS and
+    DHT -> ``PeerDirectory`` -> heartbeat (which connects and keeps RTT/up state);
+    ``/prefixmesh/infer`` -> :class:`~prefixmesh.overlay.infer.InferService`;
+    ``/prefixmesh/peers`` -> a report of known peers for ``prefixmesh peers``;
+    ``[http].listen`` -> the OpenAI-compatible gateway (``node/http_gateway.py``), which
+    feeds its requests into the same ``InferService.process``; forward outcomes ->
+    ``overlay.trust.TrustTracker`` -> ``Candidate.trust``.
+
+Start-up prints one line per dialable address on stdout (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``)
+and then ``ready``; tests and scripts read them.
+
+Shutdown (SIGINT/SIGTERM): new requests are refused, in-flight ones are cancelled and end
+with an ERROR frame (``shutting_down``), the engine stops and flushes its KV index to disk.
+
+Run as a process for tests/scripts (the CLI's ``prefixmesh node`` calls :func:`run_node`)::
+
+    python -m prefixmesh.node.daemon --listen /ip4/127.0.0.1/tcp/0 --bootstrap ADDR \\
+        --key PATH --cache-dir DIR [--no-digest] [--no-dht] [--mdns] [--backend sim]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from prefixmesh.overlay import wire
+from prefixmesh.overlay.antientropy import AntiEntropy
+from prefixmesh.overlay.digest import LoadFigures
+from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
+from prefixmesh.overlay.gossip import Gossip
+from prefixmesh.overlay.heartbeat import Heartbeat
+from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
+from prefixmesh.overlay.identity import Identity, KeyFileNotFound, load_identity, save_identity
+from prefixmesh.overlay.infer import InferService, InferSettings
+from prefixmesh.overlay.peerindex import PeerCacheIndex
+from prefixmesh.overlay.routing import RoutingConfig, make_policy
+from prefixmesh.overlay.trust import ForwardShareLimiter, TrustTracker
+
+from .backend import Backend, BackendError, LlamaBackend, SimulatedBackend
+from .http_gateway import serve_node_http
+from .tenants import TenantRegistry
+
+__all__ = ["NodeOptions", "Node", "run_node", "main"]
+
+log = logging.getLogger("prefixmesh.node")
+
+
+@dataclass
+class NodeOptions:
+    """Settings that are not (yet) part of the config file."""
+
+    digest: bool = True  # run the digest exchange (off: no peer knows our cache)
+    dht: bool = True  # Kademlia DHT discovery
+    backend: str = "llama"  # "llama" | "sim"
+    sim_prefill_tps: float = 0.0
+    sim_decode_tps: float = 0.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 1.5
+    print_addrs: bool = True
+    seed: int | None = None  # gossip peer choice (None: random)
+    share_cap: bool = False  # overlay.trust.ForwardShareLimiter on forwards (see infer.py)
+
+
+def _load_or_create_identity(path: Path) -> Identity:
+    try:
+        return load_identity(path)
+    except KeyFileNotFound:
+        identity = Identity.generate()
+        save_identity(identity, path)
+        return identity
+
+
+def _make_backend(config, options: NodeOptions) -> Backend:
+    if options.backend == "sim":
+        return SimulatedBackend(
+            prefill_tps=options.sim_prefill_tps,
+            decode_tps=options.sim_decode_tps,
+            capacity_bytes=config.node.ram_budget,
+        )
+    return LlamaBackend(
+        model_path=config.model.path,
+        n_ctx=config.model.n_ctx,
+        n_threads=config.model.n_threads or None,
+        n_gpu_layers=config.model.n_gpu_layers,
+        kv_dir=config.node.cache_dir,
+        ram_budget_bytes=config.node.ram_budget,
+        disk_budget_bytes=config.node.disk_budget,
+    )
+
+
+class Node:
+    def __init__(self, config, options: NodeOptions | None = None, *,
+                 identity: Identity | None = None, backend: Backend | None = None):
+        self.config = config
+        self.options = options or NodeOptions()
+        self.identity = identity or _load_or_create_identity(config.node.key_file)
+        self.backend = backend or _make_backend(config, self.options)
+        self.model_fp = self.backend.model_fingerprint
+        self.tenants = TenantRegistry.from_specs(config.tenant_specs(), self.model_fp)
+        self.host = OverlayHost(self.identity, [config.node.listen])
+        self.index = PeerCacheIndex()
+        self.directory = PeerDirectory(self.identity.peer_id)
+        self.heartbeat = Heartbeat(
+            self.host,
+            addrs_of=self.directory.addrs_of,
+            local_load=self._queue_and_active,
+            interval_s=self.options.heartbeat_interval_s,
+            timeout_s=self.options.heartbeat_timeout_s,
+        )
+        self.directory.on_new_peer = self.heartbeat.watch
+        rc = config.routing
+        self.policy = make_policy(
+            rc.policy,
+            RoutingConfig(**rc.knobs) if rc.knobs else RoutingConfig(),
+            random.Random(self.options.seed),
+            self.identity.peer_id,
+        )
+        self.infer = InferService(
+            host=self.host,
+            backend=self.backend,
+            tenants=self.tenants,
+            index=self.index,
+            heartbeat=self.heartbeat,
+            policy=self.policy,
+            settings=InferSettings(hop_budget=rc.hop_budget),
+            trust=TrustTracker(),
+            share_limiter=ForwardShareLimiter() if self.options.share_cap else None,
+        )
+        self.ae: AntiEntropy | None = None
+        self.gossip: Gossip | None = None
+        self.dht = None
+        self.mdns = None
+        self.started = trio.Event()
+        self._cancel: trio.CancelScope | None = None
+        self._stopping = False
+        self._written_addrs: list[str] = []
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _queue_and_active(self) -> tuple[int, int]:
+        load = self.backend.load_figures()
+        return load.queue_depth, load.active
+
+    def _peer_summary_hash(self, peer: bytes) -> bytes:
+        h = self.heartbeat.health.get(peer)
+        return h.summary_hash if h is not None else b""
+
+    def advertised_addrs(self) -> list[str]:
+        adv = [a.split("/p2p/")[0] for a in self.config.node.advertise]
+        return adv or self.host.listen_addrs()
+
+    def full_addrs(self) -> list[str]:
+        return [f"{a}/p2p/{self.identity.peer_id_b58}" for a in self.advertised_addrs()]
+
+    def _before_tick(self, now: float) -> None:
+        assert self.ae is not None
+        for ev in self.backend.drain_cache_events():
+            if ev.kind == "add":
+                self.ae.local_add_prefix(ev.ns, ev.chain)
+            else:
+                self.ae.local_remove_prefix(ev.ns, ev.chain)
+        load = self.backend.load_figures()
+        self.ae.set_local_load(
+            LoadFigures(load.queue_depth, load.active, load.prefill_tps, load.decode_tps),
+            load.kv_capacity_bytes,
+            load.kv_used_bytes,
+        )
+
+    # --- running ---------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await self.backend.load()
+        for tenant in self.tenants:
+            self.backend.register_namespace(tenant.name, tenant.namespace_key, tenant.ns_id)
+        try:
+            async with self.host.run():
+                await self._run_services(task_status)
+        finally:
+            self._remove_addr_file()
+            with trio.CancelScope(shield=True):
+                await self.backend.aclose()
+
+    async def _run_services(self, task_status) -> None:
+        opts, cfg = self.options, self.config
+        now = time.time()
+        # epoch: a new incarnation per start (ms clock), so peers never confuse our streams
+        self.ae = AntiEntropy(
+            self.identity,
+            self.model_fp,
+            epoch=int(now * 1000),
+            now=now,
+            ttl=cfg.digest.ttl_s,
+            refresh_interval=min(cfg.digest.refresh_interval_s, cfg.digest.ttl_s / 2),
+            addrs=self.advertised_addrs(),
+        )
+        self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
+        self.host.set_handler(wire.PEERS_PROTOCOL, self._handle_peers)
+        if opts.digest:
+            self.gossip = Gossip(
+                self.host,
+                self.ae,
+                self.index,
+                peers=self.heartbeat.up_peers,
+                on_learn=lambda peer, addrs: self.directory.learn(peer, addrs, "gossip"),
+                before_tick=self._before_tick,
+                interval_s=cfg.digest.interval_s,
+                fanout=cfg.digest.fanout,
+                byte_budget=cfg.digest.byte_budget,
+                rng=random.Random(opts.seed),
+                peer_hash=self._peer_summary_hash,
+            )
+            gossip = self.gossip
+            self.heartbeat.summary_hash = lambda: gossip.own_hash
+        async with trio.open_nursery() as nursery:
+            self._cancel = nursery.cancel_scope
+            await nursery.start(self.heartbeat.run)
+            if self.gossip is not None:
+                await nursery.start(self.gossip.run)
+            nursery.start_soon(bootstrap_loop, self.host, self.directory, list(cfg.node.bootstrap))
+            if opts.dht:
+                from prefixmesh.overlay.discovery import DhtDiscovery
+
+                self.dht = DhtDiscovery(self.host, self.directory, self.model_fp,
+                                        connected=self.heartbeat.up_peers)
+                nursery.start_soon(self.dht.run)
+            if cfg.node.mdns:
+                from prefixmesh.overlay.discovery import MdnsDiscovery
+
+                self.mdns = MdnsDiscovery(self.host, self.directory, self.advertised_addrs())
+                nursery.start_soon(self.mdns.run)
+            await nursery.start(serve_node_http, self)  # OpenAI-compatible HTTP ([http].listen)
+            nursery.start_soon(self._watch_signals)
+            self._write_addr_file()
+            if opts.print_addrs:
+                for a in self.full_addrs():
+                    print(a, flush=True)
+                print("ready", flush=True)
+            self.started.set()
+            task_status.started(self)
+
+    def _write_addr_file(self) -> None:
+        """Tell local clients where we are (``prefixmesh ask`` without --peer)."""
+        from .client import LOCAL_NODE_FILE
+
+        try:
+            d = Path(self.config.node.cache_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".{LOCAL_NODE_FILE}.{os.getpid()}"
+            self._written_addrs = self.full_addrs()
+            tmp.write_text("".join(a + "\n" for a in self._written_addrs))
+            os.replace(tmp, d / LOCAL_NODE_FILE)
+        except OSError as exc:
+            log.warning("cannot write the local address file: %s", exc)
+
+    def _remove_addr_file(self) -> None:
+        from .client import LOCAL_NODE_FILE
+
+        path = Path(self.config.node.cache_dir) / LOCAL_NODE_FILE
+        try:
+            if self._written_addrs and path.read_text().split() == self._written_addrs:
+                path.unlink()
+        except (OSError, IndexError):
+            pass
+
+    async def _watch_signals(self) -> None:
+        if sys.platform == "win32":  # pragma: no cover
+            return
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("signal %s: shutting down", signum)
+                await self.shutdown()
+                return
+
+    async def shutdown(self, grace_s: float = 3.0) -> None:
+        """Refuse new work, end in-flight requests with ERROR frames, then stop."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self.infer.begin_shutdown()
+        with trio.move_on_after(grace_s):
+            while self.infer.inflight:
+                await trio.sleep(0.02)
+        await trio.sleep(0.05)  # let the ERROR frames leave
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    # --- peers protocol --------------------------------------------------------------
+
+    def peers_reply(self) -> wire.PeersReply:
+        now = time.time()
+        known = set(self.directory.peers) | set(self.index.peers()) | set(self.heartbeat.health)
+        known.discard(self.identity.peer_id)
+        rows = []
+        for peer in sorted(known)[: wire.MAX_PEERS_LISTED]:
+            h = self.heartbeat.health.get(peer)
+            est = self.index.estimate(peer)
+            heard = self.gossip.last_heard.get(peer) if self.gossip else None
+            addrs = self.directory.addrs_of(peer) or (list(est.addrs) if est else [])
+            rows.append(wire.PeerInfo(
+                peer=peer,
+                addrs=tuple(a[: wire.MAX_SHORT_STRING] for a in addrs[: wire.MAX_ADDRS]),
+                connected=self.host.is_connected(peer),
+                up=bool(h and h.up),
+                rtt_ms=(h.rtt_s * 1000.0) if h and h.rtt_s is not None else -1.0,
+                queue_depth=(h.queue_depth if h else (est.load.queue_depth if est else 0)),
+                active=(h.active if h else (est.load.active if est else 0)),
+                n_hashes=est.n_hashes if est else 0,
+                digest_age_s=max(0.0, now - heard) if heard else -1.0,
+                sources=tuple(sorted(self.directory.sources_of(peer)))[:8],
+            ))
+        return wire.PeersReply(
+            self_peer=self.identity.peer_id,
+            model=self.model_fp,
+            addrs=tuple(self.full_addrs()[: wire.MAX_ADDRS]),
+            peers=tuple(rows),
+            stats=self.stats(),
+        )
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {f"infer_{k}": int(v) for k, v in self.infer.stats.items()}
+        if self.gossip is not None:
+            out.update({f"digest_{k}": int(v) for k, v in self.gossip.stats.items()})
+            out["digest_rounds"] = self.gossip.rounds
+        if self.ae is not None:
+            for k, v in self.ae.stats["rejected"].items():
+                out[f"rejected_{k}"] = int(v)
+            for k in ("records_applied", "duplicates", "gaps", "records_issued", "bytes_issued"):
+                out[f"ae_{k}"] = int(self.ae.stats[k])
+        out["heartbeat_pings_answered"] = self.heartbeat.pings_answered
+        return {k[: wire.MAX_SHORT_STRING]: max(0, v) for k, v in list(out.items())[:256]}
+
+    async def _handle_peers(self, stream) -> None:
+        fs = FramedStream(stream, timeout_s=5.0)
+        try:
+            frame = await fs.receive()
+            if isinstance(frame, wire.PeersQuery):
+                await fs.send(self.peers_reply())
+        except (HostError, wire.WireError) as exc:
+            log.debug("peers query failed: %s", exc)
+        finally:
+            await fs.close()
+
+
+def run_node(config, options: NodeOptions | None = None) -> int:
+    """Run a node until SIGINT/SIGTERM (the CLI's ``prefixmesh node``)."""
+    level = getattr(logging, str(config.node.log_level).upper(), logging.INFO)
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # py-libp2p logs routine peer failures (e.g. DHT streams closed by clients) as
+    # warnings; they are not ours to act on unless debugging
+    for noisy in ("libp2p", "multiaddr", "zeroconf", "async_service", "anyio"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if level <= logging.DEBUG else logging.ERROR)
+    from prefixmesh.inference.model import ModelFetchError
+    from prefixmesh.overlay.identity import IdentityError
+
+    try:
+        node = Node(config, options)
+
+        async def main() -> None:
+            await node.run()
+
+        trio.run(main)
+    except (IdentityError, ModelFetchError, BackendError, OSError) as exc:
+        # configuration and environment problems: one clear line, no traceback
+        print(f"prefixmesh node: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # e.g. the engine refusing the model file
+        if type(exc).__module__.startswith("prefixmesh.inference"):
+            print(f"prefixmesh node: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import load_config
+
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.node.daemon",
+                                description="run a prefixmesh node (test/script entry point)")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--listen")
+    p.add_argument("--bootstrap", action="append")
+    p.add_argument("--key", help="identity key file (created if missing)")
+    p.add_argument("--cache-dir")
+    p.add_argument("--model")
+    p.add_argument("--n-ctx", type=int)
+    p.add_argument("--n-threads", type=int)
+    p.add_argument("--ram-budget")
+    p.add_argument("--disk-budget")
+    p.add_argument("--policy")
+    p.add_argument("--hop-budget", type=int)
+    p.add_argument("--digest-interval", type=float)
+    p.add_argument("--fanout", type=int)
+    p.add_argument("--mdns", action="store_true", help="enable mDNS (default off here)")
+    p.add_argument("--no-digest", action="store_true")
+    p.add_argument("--no-dht", action="store_true")
+    p.add_argument("--backend", choices=("llama", "sim"), default="llama")
+    p.add_argument("--sim-prefill-tps", type=float, default=0.0)
+    p.add_argument("--sim-decode-tps", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--share-cap", action="store_true",
+                   help="cap any one peer's share of this node's forwards (trust.py)")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    a = p.parse_args(argv)
+    overrides = {
+        "node.listen": a.listen,
+        "node.bootstrap": a.bootstrap,
+        "node.key_file": a.key,
+        "node.cache_dir": a.cache_dir,
+        "node.mdns": bool(a.mdns),
+        "node.ram_budget": a.ram_budget,
+        "node.disk_budget": a.disk_budget,
+        "node.log_level": "debug" if a.verbose > 1 else ("info" if a.verbose else "warning"),
+        "model.path": a.model,
+        "model.n_ctx": a.n_ctx,
+        "model.n_threads": a.n_threads,
+        "routing.policy": a.policy,
+        "routing.hop_budget": a.hop_budget,
+        "digest.interval_s": a.digest_interval,
+        "digest.fanout": a.fanout,
+    }
+    config = load_config(a.config, overrides)
+    options = NodeOptions(
+        digest=not a.no_digest,
+        dht=not a.no_dht,
+        backend=a.backend,
+        sim_prefill_tps=a.sim_prefill_tps,
+        sim_decode_tps=a.sim_decode_tps,
+        seed=a.seed,
+        share_cap=a.share_cap,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        return run_node(config, options)
+    return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""Finding peers: a directory of known peers fed by bootstrap, gossip, mDNS and the DHT.
+
+Sources
+    1. bootstrap multiaddrs from the config (retried with backoff until connected);
+    2. digest records: every record carries its origin's listen addrs, so gossip relays
+       make peers we never configured dialable (see :mod:`.gossip`);
+    3. mDNS on the LAN (switchable; :class:`MdnsDiscovery`); py-libp2p's callback runs on
+       zeroconf's thread and is bridged into trio with ``trio.from_thread.run_sync``;
+    4. a Kademlia DHT in server mode (:class:`DhtDiscovery`): the node announces itself
+       as a provider under a key derived from the model fingerprint and periodically
+       looks up other providers; our own DHT records are signed by their writer and
+       checked by a namespace validator whose ``select()`` prefers the newest valid one.
+
+Every learned peer goes to :class:`PeerDirectory`, which remembers its addresses and how
+we learned it, and calls ``on_new_peer`` for a new peer or new addresses of a known one
+(the daemon starts the heartbeat for it, which connects; watching is idempotent). Limits: :data:`MAX_PEERS` known peers,
+:data:`MAX_ADDRS_PER_PEER` addresses each; addresses that are unspecified (0.0.0.0)
+or not TCP multiaddrs are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from .host import HostError, OverlayHost, split_p2p_addr
+from .identity import peer_id_to_b58
+
+__all__ = ["KnownPeer", "PeerDirectory", "bootstrap_loop", "MAX_PEERS", "MAX_ADDRS_PER_PEER"]
+
+log = logging.getLogger(__name__)
+
+MAX_PEERS = 1024
+MAX_ADDRS_PER_PEER = 8
+
+
+@dataclass
+class KnownPeer:
+    peer: bytes
+    addrs: list[str] = field(default_factory=list)
+    sources: set[str] = field(default_factory=set)
+    first_seen: float = 0.0
+
+
+def _usable(addr: str) -> bool:
+    return (
+        addr.startswith(("/ip4/", "/ip6/", "/dns"))
+        and "/tcp/" in addr
+        and "/ip4/0.0.0.0/" not in addr
+    )
+
+
+class PeerDirectory:
+    def __init__(self, self_id: bytes, on_new_peer: Callable[[bytes], None] | None = None):
+        self.self_id = self_id
+        self.on_new_peer = on_new_peer
+        self.peers: dict[bytes, KnownPeer] = {}
+
+    def learn(self, peer: bytes, addrs: Sequence[str], source: str) -> bool:
+        """Record ``peer`` at ``addrs`` (transport addrs, no /p2p part). True if new."""
+        if peer == self.self_id:
+            return False
+        known = self.peers.get(peer)
+        new = known is None
+        if new:
+            if len(self.peers) >= MAX_PEERS:
+                return False
+            known = self.peers[peer] = KnownPeer(peer, first_seen=time.time())
+        known.sources.add(source)
+        added = False
+        for a in addrs:
+            a = a.split("/p2p/")[0]
+            if _usable(a) and a not in known.addrs:
+                known.addrs.insert(0, a)  # newest first
+                added = True
+        del known.addrs[MAX_ADDRS_PER_PEER:]
+        if new:
+            log.info("learned peer %s via %s", peer_id_to_b58(peer)[-8:], source)
+        # also on new addresses of a known peer: the heartbeat may have given up on it
+        # (down for too long) and should try again (its watch() is idempotent)
+        if (new or added) and self.on_new_peer is not None:
+            self.on_new_peer(peer)
+        return new
+
+    def addrs_of(self, peer: bytes) -> list[str]:
+        known = self.peers.get(peer)
+        return list(known.addrs) if known else []
+
+    def sources_of(self, peer: bytes) -> set[str]:
+        known = self.peers.get(peer)
+        return set(known.sources) if known else set()
+
+
+async def bootstrap_loop(
+    host: OverlayHost,
+    directory: PeerDirectory,
+    addrs: Sequence[str],
+    *,
+    retry_min_s: float = 0.5,
+    retry_max_s: float = 15.0,
+) -> None:
+    """Learn each bootstrap peer and connect to it, retrying failed ones with backoff
+    until each has been reached once (the heartbeat keeps the connection afterwards)."""
+    pending: dict[bytes, str] = {}
+    for a in addrs:
+        try:
+            peer, transport = split_p2p_addr(a)
+        except Exception as exc:
+            log.warning("ignoring bootstrap address %s: %s", a, exc)
+            continue
+        if peer != host.peer_id:
+            pending[peer] = transport
+            directory.learn(peer, [transport], "bootstrap")
+    delay = retry_min_s
+    while pending:
+        for peer, transport in list(pending.items()):
+            try:
+                await host.connect(peer, [transport])
+                del pending[peer]
+            except HostError as exc:
+                log.info("bootstrap %s not reachable yet: %s", transport, exc)
+        if pending:
+            await trio.sleep(delay)
+            delay = min(delay * 2, retry_max_s)
+
+
+# --- mDNS ---------------------------------------------------------------------------------
+
+
+class MdnsDiscovery:
+    """LAN discovery with py-libp2p's mDNS (zeroconf). Needs concrete (non-0.0.0.0) listen
+    addresses: they are what the TXT records advertise. Discovered peers are learned with
+    source ``"mdns"``; the zeroconf thread's callback is bridged into trio."""
+
+    def __init__(self, host: OverlayHost, directory: PeerDirectory, addrs: Sequence[str]):
+        self.host = host
+        self.directory = directory
+        self.addrs = [a.split("/p2p/")[0] for a in addrs]
+        self.discovered = 0
+        self._mdns = None
+
+    async def run(self) -> None:
+        """Runs until cancelled; a LAN without multicast only disables mDNS (logged)."""
+        try:
+            await self._run()
+        except Exception as exc:
+            log.warning("mDNS discovery stopped: %s: %s", type(exc).__name__, exc)
+
+    async def _run(self) -> None:
+        from libp2p.discovery.events.peerDiscovery import peerDiscovery
+        from libp2p.discovery.mdns.mdns import MDNSDiscovery
+
+        token = trio.lowlevel.current_trio_token()
+        port = 0
+        for a in self.addrs:
+            if "/tcp/" in a:
+                port = int(a.split("/tcp/")[1].split("/")[0])
+                break
+        me = self.host.identity.peer_id_b58
+
+        def on_thread(peer_info) -> None:  # zeroconf's thread
+            peer = peer_info.peer_id.to_bytes()
+            addrs = [str(a) for a in peer_info.addrs]
+            try:
+                trio.from_thread.run_sync(self._learn, peer, addrs, trio_token=token)
+            except trio.RunFinishedError:
+                pass
+
+        full = [f"{a}/p2p/{me}" for a in self.addrs]
+        self._mdns = await trio.to_thread.run_sync(
+            lambda: MDNSDiscovery(
+                self.host.libp2p.get_network(), port=port, listen_addrs=full, host=self.host.libp2p
+            )
+        )
+        peerDiscovery.register_peer_discovered_handler(on_thread)
+        try:
+            self._mdns.start()
+            await trio.sleep_forever()
+        finally:
+            peerDiscovery.unregister_peer_discovered_handler(on_thread)
+            with trio.CancelScope(shield=True):
+                mdns, self._mdns = self._mdns, None
+                await trio.to_thread.run_sync(mdns.stop)
+
+    def _learn(self, peer: bytes, addrs: list[str]) -> None:
+        if peer != self.host.peer_id:
+            self.discovered += 1
+            self.directory.learn(peer, addrs, "mdns")
+
+
+# --- Kademlia DHT -------------------------------------------------------------------------
+
+DHT_NAMESPACE = "prefixmesh"
+_DHT_RECORD_LABEL = b"prefixmesh/dht-record/v1\x00"
+MAX_DHT_RECORD_BYTES = 4096
+
+
+def providers_key(model_fp: bytes) -> str:
+    """The DHT provider key of all nodes serving one model: a sha2-256 multihash (hex)."""
+    import hashlib
+
+    digest = hashlib.sha256(b"prefixmesh/providers/v1\x00" + bytes(model_fp)).digest()
+    return "1220" + digest.hex()
+
+
+def encode_dht_record(identity, addrs: Sequence[str], issued_at: float) -> bytes:
+    """A signed ``{peer, addrs, issued_at}`` record: canonical CBOR ``[body, signature]``."""
+    import cbor2
+
+    body = cbor2.dumps(
+        [identity.peer_id, list(addrs)[:MAX_ADDRS_PER_PEER], float(issued_at)], canonical=True
+    )
+    return cbor2.dumps([body, identity.sign(_DHT_RECORD_LABEL + body)], canonical=True)
+
+
+class DhtRecordError(ValueError):
+    """A DHT record that is malformed, too big, or not signed by the peer it names."""
+
+
+def decode_dht_record(key: str, value: bytes) -> tuple[bytes, list[str], float]:
+    """Validate a record stored under ``/prefixmesh/<peer b58>``; raises DhtRecordError."""
+    import cbor2
+
+    from .identity import peer_id_from_b58, verify_signature
+
+    if len(value) > MAX_DHT_RECORD_BYTES:
+        raise DhtRecordError("record too large")
+    try:
+        body, sig = cbor2.loads(value)
+        peer, addrs, issued_at = cbor2.loads(body)
+    except Exception as exc:
+        raise DhtRecordError(f"malformed record: {exc}") from None
+    if (
+        not isinstance(peer, bytes)
+        or not isinstance(sig, bytes)
+        or not isinstance(addrs, list)
+        or not isinstance(issued_at, float)
+        or not all(isinstance(a, str) for a in addrs)
+    ):
+        raise DhtRecordError("malformed record fields")
+    expected = key.rsplit("/", 1)[-1]
+    try:
+        if peer_id_from_b58(expected) != peer:
+            raise DhtRecordError("record names another peer than its key")
+    except ValueError as exc:
+        raise DhtRecordError(f"bad key {key!r}: {exc}") from None
+    if not verify_signature(peer, _DHT_RECORD_LABEL + body, sig):
+        raise DhtRecordError("bad signature (the writer is not the peer named by the key)")
+    return peer, addrs, issued_at
+
+
+class PrefixmeshValidator:
+    """libp2p namespace validator: a record must be signed by the peer its key names;
+    ``select`` prefers the newest valid record (the library default keeps the first)."""
+
+    def validate(self, key: str, value: bytes) -> None:
+        decode_dht_record(key, value)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        best, best_t = 0, -1.0
+        for i, v in enumerate(values):
+            try:
+                _, _, t = decode_dht_record(key, v)
+            except DhtRecordError:
+                continue
+            if t > best_t:
+                best, best_t = i, t
+        return best
+
+
+class DhtDiscovery:
+    """Kademlia DHT in server mode: announce as a provider of the model key, find others.
+
+    Every ``interval_s`` (first rounds faster): add connected peers to the routing table,
+    re-announce (provider record + our signed address record under
+    ``/prefixmesh/<our b58 id>``), then ``find_providers``; providers without addresses
+    are resolved through their signed record (or ``find_peer``). Found peers are learned
+    with source ``"dht"``. Every DHT call runs under ``op_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        host: OverlayHost,
+        directory: PeerDirectory,
+        model_fp: bytes,
+        *,
+        interval_s: float = 10.0,
+        op_timeout_s: float = 5.0,
+        connected=None,
+    ):
+        self.host = host
+        self.directory = directory
+        self.key = providers_key(model_fp)
+        self.interval_s = interval_s
+        self.op_timeout_s = op_timeout_s
+        self.connected = connected or host.connected_peers
+        self.dht = None
+        self.found = 0
+        self.rounds = 0
+
+    async def run(self) -> None:
+        """Runs until cancelled; a DHT failure only disables DHT discovery (logged)."""
+        try:
+            await self._run()
+        except Exception as exc:
+            log.warning("DHT discovery stopped: %s: %s", type(exc).__name__, exc)
+
+    async def _run(self) -> None:
+        from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+        from libp2p.peer.id import ID
+        from libp2p.tools.anyio_service import background_trio_service
+
+        self.dht = KadDHT(self.host.libp2p, DHTMode.SERVER)
+        self.dht.register_validator(DHT_NAMESPACE, PrefixmeshValidator())
+        async with background_trio_service(self.dht):
+            delay = 1.0
+            while True:
+                try:
+                    await self._round(ID)
+                except Exception as exc:  # a DHT failure never stops the node
+                    log.debug("dht round failed: %s: %s", type(exc).__name__, exc)
+                self.rounds += 1
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.interval_s)
+
+    async def _round(self, ID) -> None:
+        dht = self.dht
+        for peer in self.connected():
+            with trio.move_on_after(self.op_timeout_s):
+                await dht.add_peer(ID(peer))
+        if dht.get_routing_table_size() == 0:
+            return
+        me = self.host.identity.peer_id_b58
+        with trio.move_on_after(self.op_timeout_s):
+            await dht.provide(self.key)
+        with trio.move_on_after(self.op_timeout_s):
+            await dht.put_value(
+                f"/{DHT_NAMESPACE}/{me}",
+                encode_dht_record(self.host.identity, self.host.listen_addrs(), time.time()),
+            )
+        providers = []
+        with trio.move_on_after(self.op_timeout_s):
+            providers = await dht.find_providers(self.key, 32)
+        for info in providers:
+            peer = info.peer_id.to_bytes()
+            if peer == self.host.peer_id:
+                continue
+            addrs = [str(a) for a in info.addrs]
+            if not addrs:
+                addrs = await self._resolve(peer)
+            if addrs and self.directory.learn(peer, addrs, "dht"):
+                self.found += 1
+            elif addrs:
+                self.directory.learn(peer, addrs, "dht")
+
+    async def _resolve(self, peer: bytes) -> list[str]:
+        from libp2p.peer.id import ID
+
+        b58 = peer_id_to_b58(peer)
+        with trio.move_on_after(self.op_timeout_s):
+            value = await self.dht.get_value(f"/{DHT_NAMESPACE}/{b58}")
+            if value:
+                try:
+                    _, addrs, _ = decode_dht_record(f"/{DHT_NAMESPACE}/{b58}", value)
+                    return addrs
+                except DhtRecordError as exc:
+                    log.info("ignoring DHT record of %s: %s", b58[-8:], exc)
+        with trio.move_on_after(self.op_timeout_s):
+            info = await self.dht.find_peer(ID(peer))
+            if info is not None:
+                return [str(a) for a in info.addrs]
+        return []

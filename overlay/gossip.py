@@ -1,0 +1,299 @@
+"""``/prefixmesh/digest/1.0.0``: periodic anti-entropy exchange of signed cache digests.
+
+Every ``interval_s`` (default 1 s) the node
+
+1. lets the daemon feed its cache changes and load into :class:`AntiEntropy`
+   (``before_tick``) and issues its own due records (``AntiEntropy.tick``);
+2. drops expired origins from the anti-entropy state and the :class:`PeerCacheIndex`;
+3. runs the 3-message push-pull exchange (see :mod:`.antientropy`) with ``fanout`` peers
+   drawn at random from the peers the heartbeat reports up, concurrently, each under
+   ``exchange_timeout_s``.
+
+Each message is one length-prefixed byte string (u32 big-endian) of at most
+``max_message_bytes`` (default: twice the byte budget plus room for a full summary); a
+longer announced length is refused before reading the body and counted as
+``oversize_messages``. Records are verified by :meth:`AntiEntropy.receive` (signature,
+signer = origin, sequence, replay, expiry, model) *before* anything reaches the peer
+index; rejections are counted by error class (``AntiEntropy.stats["rejected"]``) and
+never stop the node. Records carry their origin's listen addresses, so a relayed origin
+becomes dialable: ``on_learn(origin, addrs)`` hands them to discovery (gossip finds
+peers too).
+
+Budget: each side sends at most ``byte_budget`` bytes of records per exchange.
+
+Choosing peers: heartbeat PONGs carry each peer's summary hash when it changes
+(``peer_hash``); a round contacts only up to ``fanout`` peers whose hash differs from
+ours, plus one random peer every ``backstop_rounds`` rounds (a stale or lost report cannot
+stall convergence for long). In steady state almost no exchange runs at all.
+
+Steady state: before the 3 messages the initiator sends a 16-byte hash of its summary
+(``[0, hash]``); the responder answers ``[0, true]`` when its own summary hashes the same
+(both hold exactly the same records: nothing to exchange, about 40 bytes in all) and
+``[0, false]`` otherwise, and the 3-message exchange follows on the same stream. Converged
+nodes therefore pay for summaries only when some origin issued a new record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import cbor2
+import trio
+
+from . import wire
+from .antientropy import (
+    AntiEntropy,
+    AntiEntropyError,
+    ReceiveResult,
+    decode_records,
+    decode_reply,
+    decode_summary,
+    encode_records,
+    encode_reply,
+    encode_summary,
+)
+from .digest import DigestError
+from .host import FramedStream, HostError, OverlayHost
+from .peerindex import PeerCacheIndex
+
+__all__ = ["Gossip", "summary_hash"]
+
+_MSG_HASH = 0
+_MAX_HASH_MESSAGE_BYTES = 64
+
+
+def summary_hash(summary) -> bytes:
+    """16-byte hash of a summary's canonical encoding (equal iff the summaries are)."""
+    return hashlib.blake2b(encode_summary(summary), digest_size=16).digest()
+
+
+def _decode_hash_message(data: bytes):
+    """``[0, bytes16]`` or ``[0, bool]``; anything else is a malformed message."""
+    if len(data) > _MAX_HASH_MESSAGE_BYTES:
+        return None
+    try:
+        msg = cbor2.loads(data)
+    except Exception:
+        return None
+    if isinstance(msg, list) and len(msg) == 2 and msg[0] == _MSG_HASH and (
+        (isinstance(msg[1], bytes) and len(msg[1]) == 16) or isinstance(msg[1], bool)
+    ):
+        return msg[1]
+    return None
+
+log = logging.getLogger(__name__)
+
+
+class Gossip:
+    def __init__(
+        self,
+        host: OverlayHost,
+        ae: AntiEntropy,
+        index: PeerCacheIndex,
+        *,
+        peers: Callable[[], Sequence[bytes]],
+        on_learn: Callable[[bytes, Sequence[str]], None] | None = None,
+        before_tick: Callable[[float], None] | None = None,
+        interval_s: float = 1.0,
+        fanout: int = 3,
+        byte_budget: int = 64 * 1024,
+        exchange_timeout_s: float = 3.0,
+        max_message_bytes: int | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.time,
+        summary_hash_check: bool = True,
+        peer_hash: Callable[[bytes], bytes] | None = None,
+        backstop_rounds: int = 10,
+    ):
+        self.host = host
+        self.ae = ae
+        self.index = index
+        self.peers = peers
+        self.on_learn = on_learn
+        self.before_tick = before_tick
+        self.interval_s = interval_s
+        self.fanout = fanout
+        self.byte_budget = byte_budget
+        self.exchange_timeout_s = exchange_timeout_s
+        self.max_message_bytes = max_message_bytes or (2 * byte_budget + 256 * 1024)
+        self.rng = rng or random.Random()
+        self.clock = clock
+        # send a summary hash first (saves the summaries when in sync); responders accept
+        # both openings, so this is a per-initiator choice (the benchmark compares them)
+        self.summary_hash_check = summary_hash_check
+        # peers' summary hashes as their heartbeats report them (b"": unknown). When
+        # given, a round contacts only peers whose hash differs from ours, plus one random
+        # peer every ``backstop_rounds`` rounds in case a report is stale or lost.
+        self.peer_hash = peer_hash
+        self.backstop_rounds = backstop_rounds
+        self.own_hash = b""
+        self.rounds = 0
+        self.stats: Counter[str] = Counter()
+        self._want_snapshots: set[bytes] = set()
+        self.last_heard: dict[bytes, float] = {}  # origin -> wall time of its last applied record
+
+    # --- running ---------------------------------------------------------------------
+
+    def register(self) -> None:
+        self.host.set_handler(wire.DIGEST_PROTOCOL, self.handle)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.register()
+        task_status.started()
+        while True:
+            try:
+                await self.round()
+            except Exception:  # never let one bad round stop the digest loop
+                self.stats["rounds_crashed"] += 1
+                log.exception("digest round failed")
+            await trio.sleep(self.interval_s)
+
+    def tick(self) -> None:
+        now = self.clock()
+        if self.before_tick is not None:
+            self.before_tick(now)
+        self.ae.tick(now)
+        for origin in self.ae.expire(now):
+            self.index.drop_peer(origin)
+            self.last_heard.pop(origin, None)
+        self.index.expire(now)
+        self._rehash()
+
+    def _rehash(self) -> None:
+        self.own_hash = summary_hash(self.ae.summary())
+
+    async def round(self) -> None:
+        self.tick()
+        candidates = [p for p in self.peers() if p != self.host.peer_id]
+        if self.peer_hash is not None:
+            behind = [p for p in candidates if self.peer_hash(p) != self.own_hash]
+            chosen = self.rng.sample(behind, min(self.fanout, len(behind)))
+            rest = [p for p in candidates if p not in chosen]
+            if rest and self.fanout and self.rounds % self.backstop_rounds == 0:
+                chosen.append(self.rng.choice(rest))
+            self.stats["peers_skipped_in_sync"] += len(candidates) - len(behind)
+        else:
+            chosen = self.rng.sample(candidates, min(self.fanout, len(candidates)))
+        async with trio.open_nursery() as nursery:
+            for peer in chosen:
+                nursery.start_soon(self._exchange_guarded, peer)
+        self.rounds += 1
+
+    async def _exchange_guarded(self, peer: bytes) -> None:
+        try:
+            with trio.fail_after(self.exchange_timeout_s):
+                await self.exchange(peer)
+            self.stats["exchanges_ok"] += 1
+        except trio.TooSlowError:
+            self.stats["exchanges_timed_out"] += 1
+        except (HostError, wire.WireError, DigestError) as exc:
+            self.stats["exchanges_failed"] += 1
+            log.debug("digest exchange failed: %s", exc)
+        except Exception:  # a bug in one exchange must not stop the digest loop
+            self.stats["exchanges_crashed"] += 1
+            log.exception("digest exchange crashed")
+
+    # --- the exchange ----------------------------------------------------------------
+
+    async def exchange(self, peer: bytes) -> None:
+        """Initiator side: summary -> (records + summary + wants) -> records."""
+        stream = await self.host.open_stream(peer, wire.DIGEST_PROTOCOL, self.exchange_timeout_s)
+        fs = FramedStream(stream, timeout_s=self.exchange_timeout_s)
+        try:
+            summary = self.ae.summary()
+            if self.summary_hash_check:
+                await self._send(fs, cbor2.dumps([_MSG_HASH, summary_hash(summary)], canonical=True))
+                verdict = _decode_hash_message(await self._receive(fs))
+                if verdict is True:
+                    self.stats["exchanges_in_sync"] += 1
+                    return
+                if verdict is not False:
+                    self.stats["malformed_messages"] += 1
+                    raise wire.MalformedFrame("bad summary-hash answer")
+            await self._send(fs, encode_summary(summary))
+            reply = decode_reply(await self._receive(fs))
+            self._apply(self.ae.receive(reply.records, self.clock()))
+            records = self.ae.records_for(reply.summary, self.byte_budget, reply.want_snapshots)
+            await self._send(fs, encode_records(records))
+        except AntiEntropyError:
+            self.stats["malformed_messages"] += 1
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await fs.close()
+
+    async def handle(self, stream) -> None:
+        """Responder side."""
+        fs = FramedStream(stream, timeout_s=self.exchange_timeout_s)
+        try:
+            with trio.fail_after(self.exchange_timeout_s * 2):
+                first = await self._receive(fs)
+                theirs = _decode_hash_message(first)
+                if isinstance(theirs, bytes):  # summary-hash check first
+                    same = theirs == summary_hash(self.ae.summary())
+                    await self._send(fs, cbor2.dumps([_MSG_HASH, same], canonical=True))
+                    if same:
+                        self.stats["exchanges_in_sync"] += 1
+                        return
+                    first = await self._receive(fs)
+                summary = decode_summary(first)
+                records = self.ae.records_for(summary, self.byte_budget)
+                want = sorted(self._want_snapshots)[:256]
+                self._want_snapshots.difference_update(want)
+                await self._send(fs, encode_reply(records, self.ae.summary(), want))
+                raws = decode_records(await self._receive(fs))
+                self._apply(self.ae.receive(raws, self.clock()))
+            self.stats["exchanges_answered"] += 1
+        except AntiEntropyError:
+            self.stats["malformed_messages"] += 1
+        except wire.OversizeFrame:
+            pass  # counted in _receive
+        except (HostError, wire.WireError, trio.TooSlowError) as exc:
+            log.debug("digest exchange (responder) failed: %s", exc)
+            self.stats["exchanges_failed"] += 1
+        except Exception:
+            self.stats["exchanges_crashed"] += 1
+            log.exception("digest exchange (responder) crashed")
+        finally:
+            with contextlib.suppress(Exception), trio.CancelScope(shield=True):
+                await fs.close()
+
+    async def _send(self, fs: FramedStream, payload: bytes) -> None:
+        self.stats["bytes_out"] += len(payload) + 4
+        await fs.send_raw(payload)
+
+    async def _receive(self, fs: FramedStream) -> bytes:
+        try:
+            data = await fs.receive_raw(max_bytes=self.max_message_bytes)
+        except wire.OversizeFrame:
+            self.stats["oversize_messages"] += 1
+            raise
+        self.stats["bytes_in"] += len(data) + 4
+        return data
+
+    def _apply(self, result: ReceiveResult) -> None:
+        now = self.clock()
+        for record in result.applied:
+            try:
+                self.index.apply(record, now)
+            except ValueError as exc:  # verified but not indexable: count, keep going
+                self.stats["index_errors"] += 1
+                log.warning("peer index refused a record: %s", exc)
+                continue
+            self.last_heard[record.origin] = now
+            if self.on_learn is not None and record.addrs:
+                self.on_learn(record.origin, record.addrs)
+        self._want_snapshots.update(result.need_snapshot)
+        if result.applied:
+            self._rehash()
+        self.stats["records_applied"] += len(result.applied)
+        self.stats["records_rejected"] += len(result.rejected)
+
+    def rejected_by_class(self) -> dict[str, int]:
+        return dict(self.ae.stats["rejected"])

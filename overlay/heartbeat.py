@@ -1,0 +1,220 @@
+"""Keep-alives on ``/prefixmesh/ping/1.0.0``: notice frozen peers, measure RTT.
+
+Why our own ping: a peer frozen with SIGSTOP (or a wedged process) keeps its TCP
+connection open; reads from it block forever, writes "succeed", and py-libp2p notices
+nothing. A forwarded request to such a peer would hang. So every known peer gets one
+long-lived ping stream; each ``interval_s`` we send PING and expect the matching PONG
+within ``timeout_s``. ``misses_to_down`` consecutive failures mark the peer *down*:
+routing stops choosing it and in-flight forwards to it are abandoned for a fallback
+(``infer.py`` watches :meth:`Heartbeat.is_up`). A down peer is re-dialed with
+exponential backoff (``backoff_min_s`` .. ``backoff_max_s``) and is marked up again by
+its first PONG; after ``forget_after_s`` down it is no longer monitored.
+
+RTT is an EWMA (weight ``rtt_alpha``) of PING->PONG times; PONG also carries the peer's
+queue depth and active requests, fresher than its last digest, and its digest summary
+hash whenever that changed since the previous PONG on the stream (``gossip`` skips digest
+exchanges with peers whose hash equals its own).
+
+The PING handler answers each PING at once and closes an idle stream after
+``idle_close_s`` without PING.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from . import wire
+from .host import FramedStream, HostError, OverlayHost
+from .identity import peer_id_to_b58
+
+__all__ = ["PeerHealth", "Heartbeat"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerHealth:
+    up: bool = False
+    rtt_s: float | None = None
+    last_pong: float = 0.0  # monotonic
+    misses: int = 0
+    queue_depth: int = 0
+    active: int = 0
+    down_since: float | None = None  # monotonic
+    pongs: int = 0
+    summary_hash: bytes = b""  # the peer's digest summary hash, as last reported
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        host: OverlayHost,
+        *,
+        addrs_of: Callable[[bytes], Sequence[str]],
+        local_load: Callable[[], tuple[int, int]],
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        misses_to_down: int = 1,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        forget_after_s: float = 300.0,
+        rtt_alpha: float = 0.3,
+        idle_close_s: float = 30.0,
+        on_change: Callable[[bytes, bool], None] | None = None,
+        summary_hash: Callable[[], bytes] | None = None,
+    ):
+        self.host = host
+        self.addrs_of = addrs_of
+        self.local_load = local_load
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.misses_to_down = misses_to_down
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self.forget_after_s = forget_after_s
+        self.rtt_alpha = rtt_alpha
+        self.idle_close_s = idle_close_s
+        self.on_change = on_change
+        self.summary_hash = summary_hash  # ours, reported in PONGs when it changes
+        self.health: dict[bytes, PeerHealth] = {}
+        self._nursery: trio.Nursery | None = None
+        self._monitored: set[bytes] = set()
+        self._nonce = 0
+        self.pings_answered = 0
+
+    # --- queries ---------------------------------------------------------------------
+
+    def is_up(self, peer: bytes) -> bool:
+        h = self.health.get(peer)
+        return h is not None and h.up
+
+    def up_peers(self) -> list[bytes]:
+        return [p for p, h in self.health.items() if h.up]
+
+    def rtt_s(self, peer: bytes) -> float | None:
+        h = self.health.get(peer)
+        return h.rtt_s if h else None
+
+    def monitored(self) -> set[bytes]:
+        return set(self._monitored)
+
+    # --- running ---------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.host.set_handler(wire.PING_PROTOCOL, self.handle)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def watch(self, peer: bytes) -> None:
+        """Start monitoring ``peer`` (idempotent)."""
+        if peer == self.host.peer_id or peer in self._monitored or self._nursery is None:
+            return
+        self._monitored.add(peer)
+        self.health.setdefault(peer, PeerHealth())
+        self._nursery.start_soon(self._monitor, peer)
+
+    def _set(self, peer: bytes, up: bool) -> None:
+        h = self.health.setdefault(peer, PeerHealth())
+        if h.up == up:
+            return
+        h.up = up
+        h.down_since = None if up else time.monotonic()
+        if not up:
+            self.host.drop_pool(peer)
+        log.info("peer %s is %s", peer_id_to_b58(peer)[-8:], "up" if up else "DOWN")
+        if self.on_change is not None:
+            self.on_change(peer, up)
+
+    def mark_down(self, peer: bytes) -> None:
+        """Called by forwarding code that saw ``peer`` fail; the monitor re-checks it."""
+        self._set(peer, False)
+
+    async def _monitor(self, peer: bytes) -> None:
+        backoff = self.backoff_min_s
+        h = self.health[peer]
+        try:
+            while True:
+                fs: FramedStream | None = None
+                try:
+                    await self.host.connect(peer, self.addrs_of(peer), self.timeout_s * 2)
+                    stream = await self.host.open_stream(
+                        peer, wire.PING_PROTOCOL, self.timeout_s * 2
+                    )
+                    fs = FramedStream(stream, timeout_s=self.timeout_s)
+                    while True:
+                        await self._ping_once(peer, fs, h)
+                        backoff = self.backoff_min_s
+                        await trio.sleep(self.interval_s)
+                except Exception as exc:  # HostError, WireError or a library surprise: keep monitoring
+                    h.misses += 1
+                    log.debug("ping %s failed: %s", peer_id_to_b58(peer)[-8:], exc)
+                    if h.misses >= self.misses_to_down:
+                        self._set(peer, False)
+                finally:
+                    if fs is not None:
+                        with trio.CancelScope(shield=True):
+                            await fs.reset()
+                if (
+                    h.down_since is not None
+                    and time.monotonic() - h.down_since > self.forget_after_s
+                ):
+                    log.info("forgetting peer %s (down too long)", peer_id_to_b58(peer)[-8:])
+                    return
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+        finally:
+            self._monitored.discard(peer)
+
+    async def _ping_once(self, peer: bytes, fs: FramedStream, h: PeerHealth) -> None:
+        self._nonce += 1
+        nonce = self._nonce
+        t0 = time.perf_counter()
+        await fs.send(wire.Ping(nonce))
+        frame = await fs.receive()
+        if not isinstance(frame, wire.Pong) or frame.nonce != nonce:
+            raise HostError(f"expected PONG {nonce}, got {frame!r}"[:120])
+        rtt = time.perf_counter() - t0
+        h.rtt_s = rtt if h.rtt_s is None else (1 - self.rtt_alpha) * h.rtt_s + self.rtt_alpha * rtt
+        h.last_pong = time.monotonic()
+        h.misses = 0
+        h.pongs += 1
+        h.queue_depth, h.active = frame.queue_depth, frame.active
+        if frame.summary_hash:
+            h.summary_hash = frame.summary_hash
+        self._set(peer, True)
+
+    async def handle(self, stream) -> None:
+        fs = FramedStream(stream, timeout_s=self.idle_close_s)
+        peer = fs.peer
+        last_hash = b""  # what this stream's reader already knows
+        try:
+            while True:
+                frame = await fs.receive()
+                if frame is None:
+                    return
+                if not isinstance(frame, wire.Ping):
+                    raise wire.ProtocolViolation(
+                        f"ping protocol: unexpected {type(frame).__name__}"
+                    )
+                q, a = self.local_load()
+                current = self.summary_hash() if self.summary_hash is not None else b""
+                changed = current if current != last_hash else b""
+                await fs.send(wire.Pong(frame.nonce, q, a, changed), timeout_s=self.timeout_s)
+                last_hash = current
+                self.pings_answered += 1
+                # a peer that pings us is alive and reachable: monitor it too
+                if peer not in self._monitored:
+                    self.watch(peer)
+        except (HostError, wire.WireError):
+            pass
+        finally:
+            with contextlib.suppress(Exception), trio.CancelScope(shield=True):
+                await fs.close()

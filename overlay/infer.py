@@ -1,0 +1,754 @@
+"""``/prefixmesh/infer/1.0.0``: hop-by-hop routing, forwarding and serving of requests.
+
+Every node on a request's path decides for itself (no coordinator):
+
+1. check the request (deadline, loop, duplicate id, namespace credential);
+2. turn messages into prompt token ids once (the entry node; later hops get token ids);
+3. build a :class:`~prefixmesh.overlay.routing.RouteContext` from its own radix-tree
+   match (``backend.match_length``), the :class:`PeerCacheIndex` estimates for the
+   request's chained block hashes, load figures (digests, fresher PONGs), heartbeat RTTs,
+   the hop budget and the visited set, and ask the policy;
+4. serve locally, or forward to the chosen peer with the hop appended to the route trace.
+
+Failure handling (the requester never hangs, no request is silently lost): a forward
+that fails before any token came back (dial or stream error, ERROR frame with a
+retryable code, the peer's heartbeat going down, a stall of ``first_frame_timeout_s``)
+is recorded as a ``fallback`` hop and the next fallback peer is tried, then local
+serving. A failure *after* tokens were relayed (e.g. ``kill -9`` of the serving node
+mid-stream) is resumed the same way when the request is deterministic (temperature
+0): the replacement's output is checked against the text already sent and only the
+rest is relayed; if it differs, or sampling is random, the requester gets an
+``upstream_failed`` ERROR. The whole request runs under its absolute deadline; on
+expiry the requester gets a ``deadline`` ERROR. Every path ends with FINAL+END or ERROR.
+
+The serving node always re-matches the token ids against its own radix tree (the
+engine does); digests only ever steer routing, never select KV data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import trio
+
+from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes
+from prefixmesh.node.backend import (
+    Backend,
+    BackendError,
+    BackendOverloaded,
+    Completion,
+    GenerateRequest,
+    TokenChunk,
+)
+
+from . import wire
+from .heartbeat import Heartbeat
+from .host import FramedStream, HostError, OverlayHost, PeerTimeout
+from .identity import peer_id_to_b58
+from .peerindex import PeerCacheIndex
+from .routing import Candidate, Policy, RouteContext
+from .trust import ForwardShareLimiter, TrustTracker
+
+__all__ = ["InferSettings", "InferService", "RETRYABLE_CODES"]
+
+log = logging.getLogger(__name__)
+
+#: ERROR codes from a next hop after which another node may still succeed
+RETRYABLE_CODES = frozenset(
+    {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed"}
+)
+_LOCAL = b""  # sentinel target: serve here
+
+
+@dataclass
+class InferSettings:
+    hop_budget: int = 2  # most further forwards this node allows (caps the request's budget)
+    first_frame_timeout_s: float = 60.0  # a next hop silent this long (but "up") is abandoned
+    stall_check_s: float = 0.2  # how often a waiting forwarder re-checks heartbeat/deadline
+    stream_timeout_s: float = 3.0  # dial + new stream to the next hop
+    send_timeout_s: float = 10.0
+    max_shed_candidates: int = 2  # unmatched, lightly loaded peers offered to the policy
+    max_seen_ids: int = 8192  # duplicate-request-id memory
+    max_open_streams: int = 256  # concurrent infer streams (incl. idle pooled ones) we accept
+    clock_skew_s: float = 5.0
+
+
+class _HopFailed(Exception):
+    """The next hop failed (reason in the message)."""
+
+
+@dataclass
+class _Relay:
+    """What has been sent upstream; filters a resumed source's repeated output."""
+
+    emit: Callable[[wire.Frame], Awaitable[None]]
+    sent_text: str = ""
+    sent_frames: int = 0
+    replay: str | None = None  # text a resumed source must reproduce before relaying
+    finished: bool = False
+
+    async def tokens(self, frame: wire.Tokens) -> None:
+        if self.replay is not None:
+            self.replay += frame.text
+            if len(self.replay) < len(self.sent_text):
+                if not self.sent_text.startswith(self.replay):
+                    raise _Diverged()
+                return
+            if not self.replay.startswith(self.sent_text):
+                raise _Diverged()
+            rest = self.replay[len(self.sent_text) :]
+            self.replay = None
+            if not rest:
+                return
+            frame = wire.Tokens(rest, ())
+        self.sent_text += frame.text
+        self.sent_frames += 1
+        await self.emit(frame)
+
+
+class _Diverged(Exception):
+    pass
+
+
+class InferService:
+    def __init__(
+        self,
+        *,
+        host: OverlayHost,
+        backend: Backend,
+        tenants,  # node.tenants.TenantRegistry
+        index: PeerCacheIndex,
+        heartbeat: Heartbeat,
+        policy: Policy,
+        settings: InferSettings | None = None,
+        clock: Callable[[], float] = time.time,
+        trust: TrustTracker | None = None,
+        share_limiter: ForwardShareLimiter | None = None,
+    ):
+        self.host = host
+        self.me = host.peer_id
+        self.backend = backend
+        self.tenants = tenants
+        self.index = index
+        self.heartbeat = heartbeat
+        self.policy = policy
+        self.settings = settings or InferSettings()
+        self.clock = clock
+        # observed honesty of next hops (overlay/trust.py): discounts their claimed cache
+        # in routing; fed with FINAL frames (claimed vs reused tokens) and hop failures
+        self.trust = trust
+        # optional cap on any one peer's share of our forwards (overlay/trust.py); off by
+        # default in the daemon: in swarms of 2-3 nodes it halves legitimate forwarding
+        self.share_limiter = share_limiter
+        self.closing = False
+        self._inflight: set[trio.CancelScope] = set()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._open_streams = 0
+        self._rng = random.Random(int.from_bytes(os.urandom(8), "big"))
+        self.stats = {
+            "requests": 0,
+            "served_local": 0,
+            "forwarded": 0,
+            "fallbacks": 0,
+            "resumed": 0,
+            "errors": 0,
+        }
+
+    # --- stream handler --------------------------------------------------------------
+
+    async def handle(self, stream) -> None:
+        fs = FramedStream(stream, timeout_s=self.settings.send_timeout_s)
+        if self._open_streams >= self.settings.max_open_streams:
+            await self._refuse(fs, "overloaded", "too many open request streams")
+            return
+        self._open_streams += 1
+        try:
+            await self._handle(fs)
+        finally:
+            self._open_streams -= 1
+
+    async def _handle(self, fs: FramedStream) -> None:
+        try:
+            # a pooled stream (host.take_stream) may idle up to POOL_MAX_IDLE_S first
+            frame = await fs.receive(timeout_s=self.host.POOL_MAX_IDLE_S + 15.0)
+        except PeerTimeout:  # an idle stream nobody used: not an error worth a frame
+            await fs.reset()
+            return
+        except (HostError, wire.WireError) as exc:
+            await self._refuse(fs, "bad_request", f"could not read a request: {exc}")
+            return
+        t_recv = time.perf_counter()  # timings start at the request, not the stream
+        if frame is None:  # an unused pooled stream closed by its opener
+            await fs.close()
+            return
+        if not isinstance(frame, wire.Request):
+            await self._refuse(fs, "bad_request", "expected a REQUEST frame")
+            return
+        state = wire.InferStreamState()
+        state.request_received(frame)
+
+        async def emit(f: wire.Frame) -> None:
+            state.response_sent(f)
+            await fs.send(f, timeout_s=self.settings.send_timeout_s)
+
+        try:
+            await self.process(frame, emit, t_recv)
+        except (HostError, wire.WireError) as exc:
+            # the requester went away or broke the protocol: nothing left to tell it
+            log.debug("requester of %s gone: %s", frame.id.hex(), exc)
+        finally:
+            with trio.CancelScope(shield=True):
+                await fs.close()
+
+    async def _refuse(self, fs: FramedStream, code: str, message: str) -> None:
+        self.stats["errors"] += 1
+        with contextlib.suppress(HostError, wire.WireError):
+            await fs.send(wire.Error(code, message[: wire.MAX_ERROR_CHARS]), timeout_s=2.0)
+        await fs.close()
+
+    # --- shutdown --------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and cancel in-flight ones (each ends with an ERROR frame)."""
+        self.closing = True
+        for scope in list(self._inflight):
+            scope.cancel()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    # --- the request pipeline --------------------------------------------------------
+
+    async def process(self, req: wire.Request, emit, t_recv: float) -> None:
+        """Handle one request; always ends by emitting FINAL+END or ERROR (unless
+        ``emit`` itself fails, which means the requester is gone)."""
+        self.stats["requests"] += 1
+        relay = _Relay(emit)
+        now = self.clock()
+        error: tuple[str, str] | None = None
+        if self.closing:
+            error = ("shutting_down", "node is shutting down")
+        elif now > req.deadline:
+            error = ("deadline", f"deadline passed {now - req.deadline:.2f} s ago")
+        elif self.me in req.visited:
+            error = ("bad_request", "request already visited this node (loop)")
+        elif req.id in self._seen:
+            error = ("bad_request", "duplicate request id")
+        if error is not None:
+            self.stats["errors"] += 1
+            await emit(wire.Error(*error))
+            return
+        self._seen[req.id] = None
+        while len(self._seen) > self.settings.max_seen_ids:
+            self._seen.popitem(last=False)
+
+        with trio.CancelScope() as scope:
+            self._inflight.add(scope)
+            try:
+                with trio.move_on_after(max(0.0, req.deadline - self.clock())) as deadline_scope:
+                    await self._route(req, relay, t_recv)
+            finally:
+                self._inflight.discard(scope)
+        if relay.finished:
+            return
+        if scope.cancelled_caught:
+            code, msg = "shutting_down", "node shut down during the request"
+        elif deadline_scope.cancelled_caught:
+            code, msg = "deadline", "request deadline expired"
+        else:  # pragma: no cover - _route always finishes or raises
+            code, msg = "internal", "request ended without an answer"
+        self.stats["errors"] += 1
+        with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+            await emit(wire.Error(code, msg))
+        relay.finished = True
+
+    async def _finish_error(self, relay: _Relay, code: str, message: str) -> None:
+        self.stats["errors"] += 1
+        relay.finished = True
+        await relay.emit(wire.Error(code, message[: wire.MAX_ERROR_CHARS]))
+
+    async def _route(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
+        try:
+            await self._route_checked(req, relay, t_recv)
+        except (HostError, wire.WireError):
+            raise  # the requester is gone: nobody to tell
+        except Exception as exc:  # a bug must not leave the requester without an answer
+            log.exception("request %s failed", req.id.hex()[:8])
+            if not relay.finished:
+                await self._finish_error(relay, "internal", f"{type(exc).__name__}: {exc}")
+
+    async def _route_checked(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
+        if req.hop_budget > self.settings.hop_budget:
+            req = replace(req, hop_budget=self.settings.hop_budget)
+        tenant = self.tenants.lookup(req.ns)
+        if tenant is not None:
+            try:
+                tenant.check(
+                    req.id,
+                    req.deadline,
+                    req.credential,
+                    now=self.clock(),
+                    clock_skew_s=self.settings.clock_skew_s,
+                )
+            except ValueError as exc:
+                await self._finish_error(relay, "unauthorized", str(exc))
+                return
+        else:
+            await self._relay_only(req, relay, t_recv)
+            return
+
+        # prompt tokens: computed once, at the entry node
+        tokens = req.tokens
+        if not tokens:
+            try:
+                tokens = await self.backend.tokenize([(m.role, m.content) for m in req.messages])
+            except (BackendError, ValueError) as exc:
+                await self._finish_error(relay, "bad_request", f"cannot render the prompt: {exc}")
+                return
+            if len(tokens) > wire.MAX_PROMPT_TOKENS:
+                await self._finish_error(relay, "bad_request", "prompt too long")
+                return
+        req = replace(req, tokens=tuple(tokens), messages=())
+
+        decision, hop_base, ctx = await self._decide(req, tenant)
+        targets: list[bytes] = []
+        if decision.action == "forward" and decision.peer is not None:
+            targets = [decision.peer, *decision.fallbacks]
+        if tenant.may_serve(self.me):
+            targets.append(_LOCAL)
+        elif req.hop_budget > 0:
+            # this node may not serve the namespace (allowed_peers): pass it on to the
+            # candidates that may, longest estimated match first
+            ranked = sorted(ctx.candidates, key=lambda c: (-c.matched_tokens, c.load, c.peer))
+            targets += [c.peer for c in ranked if c.peer not in targets][: 4]
+        claims = {c.peer: c.matched_tokens for c in ctx.candidates}
+        await self._run_targets(req, relay, t_recv, targets, decision, hop_base, claims)
+
+    async def _decide(self, req: wire.Request, tenant):
+        t0 = time.perf_counter()
+        chain = chain_hashes(tenant.namespace_key, req.tokens, BLOCK_TOKENS)
+        local_matched = await self.backend.match_length(req.ns, req.tokens)
+        load = self.backend.load_figures()
+        avg_s = max(load.avg_request_s, 0.01)
+        local_wait = (load.queue_depth + load.active) * avg_s
+        visited = frozenset(req.visited) | {self.me}
+        model = self.backend.model_fingerprint
+        candidates: list[Candidate] = []
+        all_peers: list[bytes] = []
+        matches = self.index.longest_matches(req.ns, chain)
+        for peer in self.heartbeat.up_peers():
+            est = self.index.estimate(peer)
+            if peer in visited or est is None or est.model != model or not tenant.may_serve(peer):
+                continue
+            all_peers.append(peer)
+        eligible = set(all_peers)
+        health = self.heartbeat.health
+
+        def candidate(peer: bytes, matched_blocks: int) -> Candidate:
+            est = self.index.estimate(peer)
+            h = health.get(peer)
+            queue = h.queue_depth if h and h.pongs else est.load.queue_depth
+            active = h.active if h and h.pongs else est.load.active
+            rtt = h.rtt_s if h and h.rtt_s is not None else 0.005
+            trust = self.trust.trust(peer, time.monotonic()) if self.trust is not None else 1.0
+            return Candidate(
+                peer=peer,
+                matched_tokens=min(matched_blocks * BLOCK_TOKENS, len(req.tokens)),
+                prefill_tps=max(est.load.prefill_tps, 0.0),
+                queue_wait_s=(queue + active) * avg_s,
+                load=float(queue + active),
+                rtt_s=rtt,
+                trust=min(1.0, max(0.0, trust)),
+            )
+
+        if self.share_limiter is not None:
+            eligible = set(self.share_limiter.filter(sorted(eligible), time.monotonic(),
+                                                     key=lambda p: p))
+        for peer, blocks in sorted(matches.items()):
+            if peer in eligible:
+                candidates.append(candidate(peer, blocks))
+        # a few unmatched, lightly loaded peers let the policy shed load
+        unmatched = [p for p in sorted(eligible) if p not in matches]
+        unmatched.sort(
+            key=lambda p: (health[p].queue_depth + health[p].active) if p in health else 0
+        )
+        for peer in unmatched[: self.settings.max_shed_candidates]:
+            candidates.append(candidate(peer, 0))
+        ctx = RouteContext(
+            prompt_tokens=len(req.tokens),
+            local_matched_tokens=min(local_matched, len(req.tokens)),
+            local_prefill_tps=max(load.prefill_tps, 1.0),
+            local_queue_wait_s=local_wait,
+            local_load=float(load.queue_depth + load.active),
+            candidates=tuple(candidates),
+            hop_budget=req.hop_budget,
+            visited=visited,
+            first_block=chain[0] if chain else None,
+            all_peers=tuple(sorted(all_peers)),
+        )
+        decision = self.policy.decide(ctx)
+        hop_base = wire.Hop(
+            peer=self.me,
+            action="serve",
+            reason=decision.reason[: wire.MAX_SHORT_STRING],
+            local_matched_tokens=ctx.local_matched_tokens,
+            est_local_s=_finite(decision.est_local_s),
+            est_peer_s=_finite(decision.est_peer_s),
+            decide_ms=(time.perf_counter() - t0) * 1000.0,
+        )
+        return decision, hop_base, ctx
+
+    async def _relay_only(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
+        """A namespace this node is not configured for: pass it to a peer that holds it."""
+        visited = set(req.visited) | {self.me}
+        holders = [
+            p
+            for p in self.heartbeat.up_peers()
+            if p not in visited and req.ns in self.index.holdings(p)
+        ]
+        if not holders:
+            await self._finish_error(
+                relay,
+                "unknown_namespace",
+                "this node does not serve the namespace and knows no peer that does",
+            )
+            return
+        self._rng.shuffle(holders)
+        hop = wire.Hop(peer=self.me, action="serve", reason="relay: namespace not configured here")
+        decision = None
+        await self._run_targets(req, relay, t_recv, holders[:4], decision, hop)
+
+    async def _run_targets(self, req, relay: _Relay, t_recv, targets, decision, hop_base,
+                           claims: dict[bytes, int] | None = None) -> None:
+        extra_hops: list[wire.Hop] = []
+        failure: str | None = None
+        failed: list[bytes] = []
+        for i, target in enumerate(targets):
+            if relay.sent_frames and req.sampling.temperature > 0.0:
+                await self._finish_error(
+                    relay,
+                    "upstream_failed",
+                    "the serving node failed mid-stream (sampling is random: not resumable)",
+                )
+                return
+            if relay.sent_frames:
+                relay.replay = ""
+                self.stats["resumed"] += 1
+            if target == _LOCAL:
+                reason = (
+                    hop_base.reason
+                    if (decision is None or decision.action == "serve") and not failed
+                    else f"fallback: {len(failed)} forward(s) failed"
+                )
+                hop = replace(hop_base, action="serve", reason=reason[: wire.MAX_SHORT_STRING])
+                source = self._local_source(req, t_recv, [*req.trace, *extra_hops], hop)
+                self.stats["served_local"] += 1
+            else:
+                hop = replace(
+                    hop_base,
+                    action="forward",
+                    next_peer=target,
+                    reason=(hop_base.reason if i == 0 else "fallback after a failed hop")[
+                        : wire.MAX_SHORT_STRING
+                    ],
+                )
+                hops = (*req.trace, *extra_hops, hop)[-wire.MAX_HOPS :]
+                visited = (*req.visited, self.me, *failed)[-wire.MAX_HOPS :]
+                downstream = replace(
+                    req,
+                    hop_budget=max(0, req.hop_budget - 1),
+                    visited=tuple(dict.fromkeys(visited)),
+                    trace=hops,
+                )
+                claimed = (claims or {}).get(target, 0)
+                source = self._remote_source(target, downstream, t_recv, claimed)
+                self.stats["forwarded"] += 1
+                if self.share_limiter is not None:
+                    self.share_limiter.record(target, time.monotonic())
+            failure = await self._pump(relay, source)
+            if failure is None:
+                return
+            self.stats["fallbacks"] += 1
+            log.info(
+                "request %s: hop %s failed: %s",
+                req.id.hex()[:8],
+                "local" if target == _LOCAL else peer_id_to_b58(target)[-8:],
+                failure,
+            )
+            if target != _LOCAL:
+                failed.append(target)
+                if self.trust is not None:
+                    self.trust.observe_failure(target, time.monotonic())
+                extra_hops.append(
+                    replace(
+                        hop, action="fallback", reason=f"failed: {failure}"[: wire.MAX_SHORT_STRING]
+                    )
+                )
+        if relay.finished:
+            return
+        await self._finish_error(
+            relay,
+            "no_route",
+            f"every candidate failed (last: {failure})" if targets
+            else "no node may serve this request",
+        )
+
+    async def _pump(
+        self, relay: _Relay, produce: Callable[[trio.MemorySendChannel], Awaitable[None]]
+    ) -> str | None:
+        """Relay the frames one source produces; None when the request is finished
+        (FINAL+END or a final ERROR went upstream), else why this source failed (the
+        caller tries the next one).
+
+        The source runs as a task feeding a channel (never as an async generator, whose
+        yields inside nurseries and cancel scopes trio does not allow)."""
+        send, recv = trio.open_memory_channel[wire.Frame](16)
+        failure: list[str] = []
+        runner_done = trio.Event()
+
+        async def runner() -> None:
+            async with send, _set_on_exit(runner_done):
+                try:
+                    await produce(send)
+                except _HopFailed as exc:
+                    failure.append(str(exc))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+        async def consume() -> str | None:
+            async with recv:
+                async for frame in recv:
+                    if isinstance(frame, wire.Tokens):
+                        await relay.tokens(frame)
+                    elif isinstance(frame, wire.Final):
+                        if relay.replay is not None:  # the replacement said less than we sent
+                            raise _Diverged()
+                        relay.finished = True
+                        await relay.emit(frame)
+                        await relay.emit(wire.End())
+                        return None
+                    elif isinstance(frame, wire.Error):
+                        # no cancel here: leaving `async with recv` is a checkpoint, and a
+                        # cancellation there would swallow the return value
+                        if frame.code in RETRYABLE_CODES:
+                            return f"{frame.code}: {frame.message}"[:200]
+                        relay.finished = True
+                        self.stats["errors"] += 1
+                        await relay.emit(frame)
+                        return None
+            return failure[0] if failure else "stream ended without FINAL"
+
+        # Exceptions are caught inside the nursery body and re-raised after it, so that
+        # callers see plain exceptions, not ExceptionGroups.
+        outcome: str | None = None
+        raised: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runner)
+            try:
+                outcome = await consume()
+            except Exception as exc:
+                raised = exc
+            if raised is None and outcome is None:
+                # finished: let the source read its END and close cleanly (bounded)
+                with trio.move_on_after(1.0):
+                    await runner_done.wait()
+            nursery.cancel_scope.cancel()
+        if isinstance(raised, _Diverged):
+            await self._finish_error(
+                relay,
+                "upstream_failed",
+                "the serving node failed mid-stream and the replacement's output differs",
+            )
+            return None
+        if raised is not None:
+            raise raised
+        return outcome
+
+    def _local_source(self, req: wire.Request, t_recv: float, hops: list[wire.Hop], hop: wire.Hop):
+        gen_req = GenerateRequest(
+            ns=req.ns,
+            tokens=req.tokens,
+            max_tokens=req.sampling.max_tokens,
+            temperature=req.sampling.temperature,
+            top_p=req.sampling.top_p,
+            seed=req.sampling.seed,
+            deadline=req.deadline,
+        )
+
+        async def produce(out: trio.MemorySendChannel) -> None:
+            ttft_ms = -1.0
+            held: list[str] = []  # stream=False: the text goes in one TOKENS frame
+            try:
+                async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
+                    async for ev in events:
+                        if ttft_ms < 0:
+                            ttft_ms = (time.perf_counter() - t_recv) * 1000.0
+                        if isinstance(ev, TokenChunk):
+                            if not req.stream:
+                                held.append(ev.text)
+                                continue
+                            await out.send(
+                                wire.Tokens(
+                                    ev.text[: wire.MAX_TEXT_CHARS],
+                                    tuple(ev.token_ids[: wire.MAX_CHUNK_TOKENS]),
+                                )
+                            )
+                        elif isinstance(ev, Completion):
+                            text = "".join(held)
+                            for i in range(0, len(text), wire.MAX_TEXT_CHARS):
+                                await out.send(wire.Tokens(text[i : i + wire.MAX_TEXT_CHARS]))
+                            trace = (*hops, replace(hop, ttft_ms=ttft_ms))[-wire.MAX_HOPS :]
+                            await out.send(
+                                wire.Final(
+                                    id=req.id,
+                                    entry=trace[0].peer,
+                                    serving=self.me,
+                                    prompt_tokens=min(ev.prompt_tokens, wire.MAX_PROMPT_TOKENS),
+                                    cached_tokens=min(
+                                        ev.cached_tokens, ev.prompt_tokens, wire.MAX_PROMPT_TOKENS
+                                    ),
+                                    completion_tokens=min(
+                                        ev.completion_tokens, wire.MAX_MAX_TOKENS
+                                    ),
+                                    ttft_ms=ttft_ms,
+                                    total_ms=(time.perf_counter() - t_recv) * 1000.0,
+                                    finish_reason=ev.finish_reason[: wire.MAX_SHORT_STRING],
+                                    hops=trace,
+                                )
+                            )
+                            return
+            except BackendOverloaded as exc:
+                await out.send(wire.Error("overloaded", f"engine: {exc}"[:500]))
+                return
+            except BackendError as exc:
+                await out.send(wire.Error("internal", f"engine: {exc}"[:500]))
+                return
+            await out.send(wire.Error("internal", "engine ended without a completion"))
+
+        return produce
+
+    def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float, claimed: int = 0):
+        s = self.settings
+
+        async def produce(out: trio.MemorySendChannel) -> None:
+            if not self.heartbeat.is_up(peer):
+                raise _HopFailed("peer is down")
+            fs: FramedStream | None = None
+            for attempt in range(2):  # a pooled spare may be dead: retry once with a new one
+                try:
+                    stream, pooled = await self.host.take_stream(peer, wire.INFER_PROTOCOL,
+                                                                 s.stream_timeout_s)
+                except HostError as exc:
+                    self.heartbeat.mark_down(peer)
+                    self.host.drop_pool(peer)
+                    raise _HopFailed(f"open stream: {exc}") from None
+                fs = FramedStream(stream, timeout_s=s.send_timeout_s)
+                try:
+                    await fs.send(req)
+                    break
+                except HostError as exc:
+                    with trio.CancelScope(shield=True):
+                        await fs.reset()
+                    if not pooled or attempt:
+                        raise _HopFailed(f"send request: {exc}") from None
+            assert fs is not None
+            state = wire.InferStreamState()
+            failure: list[str] = []
+            progress = {"first": True, "at": time.perf_counter()}
+            try:
+                state.request_sent(req)
+                async with trio.open_nursery() as nursery:
+
+                    async def reader() -> None:
+                        ttft_ms = -1.0
+                        try:
+                            while True:
+                                frame = await fs.receive(timeout_s=math.inf)
+                                if frame is None:
+                                    raise _HopFailed("stream ended early")
+                                state.on_response(frame)
+                                progress["at"] = time.perf_counter()
+                                if progress["first"] and isinstance(
+                                    frame, wire.Tokens | wire.Final
+                                ):
+                                    progress["first"] = False
+                                    ttft_ms = (time.perf_counter() - t_recv) * 1000.0
+                                    # now, not earlier: see OverlayHost.take_stream
+                                    self.host.refill_pool(peer, wire.INFER_PROTOCOL)
+                                if isinstance(frame, wire.Final):
+                                    frame = _patch_ttft(frame, self.me, ttft_ms)
+                                    if self.trust is not None and frame.serving == peer:
+                                        self.trust.observe_cache(
+                                            peer, time.monotonic(), claimed_tokens=claimed,
+                                            cached_tokens=frame.cached_tokens)
+                                if isinstance(frame, wire.End):
+                                    break
+                                await out.send(frame)
+                                if isinstance(frame, wire.Error):
+                                    break
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            pass
+                        except (HostError, wire.WireError) as exc:
+                            failure.append(f"{type(exc).__name__}: {exc}")
+                        except _HopFailed as exc:
+                            failure.append(str(exc))
+                        nursery.cancel_scope.cancel()
+
+                    async def watchdog() -> None:
+                        while True:
+                            await trio.sleep(s.stall_check_s)
+                            if not self.heartbeat.is_up(peer):
+                                failure.append("peer went down (heartbeat)")
+                                break
+                            if (
+                                progress["first"]
+                                and time.perf_counter() - progress["at"] > s.first_frame_timeout_s
+                            ):
+                                failure.append("no answer within the first-frame timeout")
+                                break
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(reader)
+                    nursery.start_soon(watchdog)
+                if failure:
+                    raise _HopFailed(failure[0])
+            finally:
+                with trio.CancelScope(shield=True):
+                    if state.finished:
+                        await fs.close()
+                    else:
+                        await fs.reset()
+
+        return produce
+
+
+@contextlib.asynccontextmanager
+async def _set_on_exit(event: trio.Event):
+    try:
+        yield
+    finally:
+        event.set()
+
+
+def _patch_ttft(final: wire.Final, me: bytes, ttft_ms: float) -> wire.Final:
+    hops = list(final.hops)
+    for i in range(len(hops) - 1, -1, -1):
+        if hops[i].peer == me and hops[i].action == "forward":
+            hops[i] = replace(hops[i], ttft_ms=ttft_ms)
+            break
+    return replace(final, hops=tuple(hops))
+
+
+def _finite(x: float | None) -> float:
+    if x is None or not math.isfinite(x):
+        return -1.0
+    return min(max(x, -1.0), 1e12)

@@ -1,0 +1,64 @@
+"""Kademlia DHT discovery between real node processes (digests off, so the DHT is the
+only way to learn peers that are not configured), and our signed DHT record validator."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import cbor2
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _swarm import Swarm, peers, wait_until  # noqa: E402
+
+from prefixmesh.overlay.discovery import (  # noqa: E402
+    DhtRecordError,
+    PrefixmeshValidator,
+    decode_dht_record,
+    encode_dht_record,
+)
+from prefixmesh.overlay.identity import Identity  # noqa: E402
+
+
+def test_validator_checks_writer_and_prefers_newest():
+    me, other = Identity.generate(), Identity.generate()
+    key = f"/prefixmesh/{me.peer_id_b58}"
+    old = encode_dht_record(me, ["/ip4/127.0.0.1/tcp/1"], 100.0)
+    new = encode_dht_record(me, ["/ip4/127.0.0.1/tcp/2"], 200.0)
+    forged = encode_dht_record(other, ["/ip4/6.6.6.6/tcp/6"], 300.0)  # names other, not me
+    v = PrefixmeshValidator()
+    v.validate(key, old)
+    with pytest.raises(DhtRecordError):
+        v.validate(key, forged)
+    body, sig = cbor2.loads(new)
+    tampered = cbor2.dumps([body, bytes([sig[0] ^ 1]) + sig[1:]], canonical=True)
+    with pytest.raises(DhtRecordError):
+        v.validate(key, tampered)
+    with pytest.raises(DhtRecordError):
+        v.validate(key, b"\xff" * 10)
+    assert v.select(key, [old, new, forged, tampered]) == 1
+    assert decode_dht_record(key, new)[1] == ["/ip4/127.0.0.1/tcp/2"]
+
+
+@pytest.mark.slow
+def test_dht_finds_unconfigured_peers(tmp_path):
+    with Swarm(tmp_path) as s:
+        a = s.add("A", digest=False, dht=True)
+        b = s.add("B", bootstrap=[a.addr], digest=False, dht=True)
+        c = s.add("C", bootstrap=[a.addr], digest=False, dht=True)
+        d = s.add("D", bootstrap=[a.addr], digest=False, dht=True)
+        t0 = time.monotonic()
+
+        def d_found_b_and_c():
+            info = {p.peer: p for p in peers(d.addr).peers}
+            return all(x.peer_id in info and "dht" in info[x.peer_id].sources for x in (b, c))
+
+        wait_until(d_found_b_and_c, timeout_s=60, interval_s=1.0, what="D to find B and C in the DHT")
+        info = {p.peer: p for p in peers(d.addr).peers}
+        for x in (b, c):
+            assert "bootstrap" not in info[x.peer_id].sources
+        wait_until(lambda: all(p.up for p in peers(d.addr).peers), timeout_s=20,
+                   what="D to connect to the peers it found")
+        assert time.monotonic() - t0 < 80

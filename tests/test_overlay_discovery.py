@@ -1,0 +1,27 @@
+"""PeerDirectory: what discovery sources feed in, and when the heartbeat is (re)started."""
+
+from __future__ import annotations
+
+from prefixmesh.overlay.discovery import MAX_ADDRS_PER_PEER, PeerDirectory, providers_key
+from prefixmesh.overlay.identity import Identity
+
+
+def test_directory_learns_filters_and_rewatches():
+    me, peer = Identity.generate().peer_id, Identity.generate().peer_id
+    calls = []
+    d = PeerDirectory(me, on_new_peer=calls.append)
+    assert not d.learn(me, ["/ip4/127.0.0.1/tcp/1"], "gossip")  # never ourselves
+    assert d.learn(peer, ["/ip4/127.0.0.1/tcp/1/p2p/x", "/ip4/0.0.0.0/tcp/2", "/udp/3"], "mdns")
+    assert d.addrs_of(peer) == ["/ip4/127.0.0.1/tcp/1"]  # /p2p stripped, 0.0.0.0 and non-TCP dropped
+    assert calls == [peer]
+    assert not d.learn(peer, ["/ip4/127.0.0.1/tcp/1"], "gossip")  # nothing new: no callback
+    assert calls == [peer] and d.sources_of(peer) == {"mdns", "gossip"}
+    d.learn(peer, ["/ip4/127.0.0.1/tcp/9"], "dht")  # new address: watch again (idempotent)
+    assert calls == [peer, peer] and d.addrs_of(peer)[0] == "/ip4/127.0.0.1/tcp/9"
+    d.learn(peer, [f"/ip4/127.0.0.1/tcp/{100 + i}" for i in range(20)], "gossip")
+    assert len(d.addrs_of(peer)) == MAX_ADDRS_PER_PEER
+
+
+def test_providers_key_depends_on_model():
+    a, b = providers_key(b"model-a"), providers_key(b"model-b")
+    assert a != b and a.startswith("1220") and len(bytes.fromhex(a)) == 34

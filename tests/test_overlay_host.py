@@ -1,0 +1,97 @@
+"""OverlayHost: concrete addresses, deadlines on dial and reads, pooled streams (in-process,
+real libp2p over loopback)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from prefixmesh.overlay import wire
+from prefixmesh.overlay.host import FramedStream, OverlayHost, PeerTimeout, PeerUnreachable
+from prefixmesh.overlay.identity import Identity
+
+
+def test_unspecified_listen_address_is_never_advertised():
+    async def main():
+        host = OverlayHost(Identity.generate(), ["/ip4/0.0.0.0/tcp/0"])
+        async with host.run():
+            addrs = host.listen_addrs()
+            assert addrs and all("/ip4/0.0.0.0/" not in a for a in addrs)
+            assert any(a.startswith("/ip4/127.0.0.1/tcp/") for a in addrs)
+            assert all(not a.endswith("/tcp/0") for a in addrs)
+            assert all(a.endswith(f"/p2p/{host.identity.peer_id_b58}") for a in host.full_addrs())
+
+    trio.run(main)
+
+
+def test_dial_to_a_silent_listener_times_out():
+    async def main():
+        # accepts TCP connections and never says a word: py-libp2p alone would hang
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        accepted = []
+
+        async def hold(stream):
+            accepted.append(stream)
+            await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, hold, listeners)
+            host = OverlayHost(Identity.generate(), [], dial_timeout_s=1.0)
+            async with host.run():
+                t0 = time.monotonic()
+                with pytest.raises((PeerTimeout, PeerUnreachable)):
+                    await host.connect(Identity.generate().peer_id, [f"/ip4/127.0.0.1/tcp/{port}"])
+                assert time.monotonic() - t0 < 3.0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_read_deadline_and_pooled_streams():
+    async def main():
+        a, b = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+        served = []
+
+        async def silent(stream):
+            await trio.sleep(5)
+
+        async def echo(stream):
+            fs = FramedStream(stream)
+            frame = await fs.receive(timeout_s=30)
+            if frame is not None:
+                served.append(frame)
+                await fs.send(wire.Pong(frame.nonce))
+            await fs.close()
+
+        b.set_handler("/test/silent", silent)
+        b.set_handler("/test/echo", echo)
+        async with a.run(), b.run():
+            await a.connect(b.peer_id, b.listen_addrs(), 5)
+            fs = FramedStream(await a.open_stream(b.peer_id, "/test/silent"), timeout_s=0.5)
+            with pytest.raises(PeerTimeout):
+                await fs.receive()
+            # first take: no spare yet; a refill makes the second take a pooled one
+            stream, pooled = await a.take_stream(b.peer_id, "/test/echo")
+            assert not pooled
+            a.refill_pool(b.peer_id, "/test/echo")
+            with trio.fail_after(5):
+                while not a._pool.get((b.peer_id, "/test/echo")):
+                    await trio.sleep(0.01)
+            stream2, pooled2 = await a.take_stream(b.peer_id, "/test/echo")
+            assert pooled2 and a.pool_hits == 1
+            for s, nonce in ((stream, 1), (stream2, 2)):
+                fs = FramedStream(s)
+                await fs.send(wire.Ping(nonce))
+                assert await fs.receive() == wire.Pong(nonce)
+            assert [f.nonce for f in served] == [1, 2]
+            a.refill_pool(b.peer_id, "/test/echo")
+            with trio.fail_after(5):
+                while not a._pool.get((b.peer_id, "/test/echo")):
+                    await trio.sleep(0.01)
+            a.drop_pool(b.peer_id)
+            assert not a._pool.get((b.peer_id, "/test/echo"))
+
+    trio.run(main)

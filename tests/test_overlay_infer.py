@@ -1,0 +1,231 @@
+"""In-process overlay tests (real libp2p on loopback, simulated engine: fast, no model):
+forwarding and traces, fallbacks, deadlines, digest expiry, and the resume filter."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixmesh.node.backend import BackendOverloaded, SimulatedBackend
+from prefixmesh.node.client import Client, RequestFailed
+from prefixmesh.node.config import load_config
+from prefixmesh.node.daemon import Node, NodeOptions
+from prefixmesh.overlay import wire
+from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.infer import _Diverged, _Relay
+from prefixmesh.overlay.trust import ForwardShareLimiter
+
+SYSTEM = "a long shared system prompt about routing requests to cached prefixes. " * 10
+
+
+async def _start(nursery, tmp_path, n, *, tps=(400.0,), ttl=60.0, refresh=20.0, backends=None):
+    nodes = []
+    for i in range(n):
+        overrides = {
+            "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
+            "node.key_file": str(tmp_path / f"n{i}.key"),
+            "node.bootstrap": [nodes[0].full_addrs()[0]] if nodes else None,
+            "digest.interval_s": 0.3, "digest.ttl_s": ttl, "digest.refresh_interval_s": refresh,
+        }
+        backend = backends[i] if backends else SimulatedBackend(prefill_tps=tps[i % len(tps)])
+        node = Node(load_config(None, overrides),
+                    NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
+                                heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                    identity=Identity.generate(), backend=backend)
+        await nursery.start(node.run)
+        nodes.append(node)
+    return nodes
+
+
+async def _wait(predicate, timeout=15.0):
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+def _knows(observer: Node, origin: Node) -> bool:
+    est = observer.index.estimate(origin.identity.peer_id)
+    return est is not None and est.n_hashes > 0 and observer.heartbeat.is_up(origin.identity.peer_id)
+
+
+async def _shutdown(nodes):
+    for n in nodes:
+        await n.shutdown(grace_s=0.2)
+
+
+def test_forwarding_trace_and_fallback(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b, c = await _start(nursery, tmp_path, 3)
+            async with Client.connect(b.full_addrs()[0]) as cb:
+                await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=2, hop_budget=0)
+            async with Client.connect(c.full_addrs()[0]) as cc:
+                await cc.ask([("system", SYSTEM), ("user", "y")], max_tokens=2, hop_budget=0)
+            await _wait(lambda: _knows(a, b) and _knows(a, c))
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                ans = await ca.ask([("system", SYSTEM), ("user", "z")], max_tokens=3)
+                first = ans.final.serving
+                assert first in (b.identity.peer_id, c.identity.peer_id)
+                assert ans.final.cached_tokens > 0
+                assert [h.action for h in ans.final.hops] == ["forward", "serve"]
+                assert ans.final.hops[0].next_peer == first
+                assert ans.final.entry == a.identity.peer_id
+                # A checked the claim against the FINAL frame: honoured, trust went up
+                record = a.infer.trust.record(first)
+                assert record is not None and record.honoured == 1
+                # both holders now refuse work (retryable): A tries one, then the other
+                # (the policy lists it as a fallback), then serves itself
+
+                async def refuse(request):
+                    raise BackendOverloaded("queue full (test)")
+                    yield  # pragma: no cover
+
+                b.backend.generate = refuse
+                c.backend.generate = refuse
+                # let heartbeats report the finished request's load as gone (the policy's
+                # bounded-load rule would otherwise drop the busy node from the fallbacks)
+                await trio.sleep(1.0)
+                ans2 = await ca.ask([("system", SYSTEM), ("user", "w")], max_tokens=3)
+                assert ans2.final.serving == a.identity.peer_id
+                hops = ans2.final.hops
+                assert [h.action for h in hops] == ["fallback", "fallback", "serve"], hops
+                assert {hops[0].next_peer, hops[1].next_peer} == {b.identity.peer_id, c.identity.peer_id}
+                assert all("overloaded" in h.reason for h in hops[:2])
+                assert hops[2].reason.startswith("fallback: 2 forward(s) failed")
+                assert a.infer.stats["fallbacks"] == 2
+                assert a.infer.trust.record(b.identity.peer_id).failures == 1
+                assert a.infer.trust.record(c.identity.peer_id).failures == 1
+            await _shutdown([a, b, c])
+
+    trio.run(main)
+
+
+def test_forward_share_cap(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b = await _start(nursery, tmp_path, 2)
+            a.infer.share_limiter = ForwardShareLimiter(max_share=0.5, window=4, min_count=2)
+            async with Client.connect(b.full_addrs()[0]) as cb:
+                await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
+            await _wait(lambda: _knows(a, b))
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                first = await ca.ask([("system", SYSTEM), ("user", "1")], max_tokens=1)
+                assert first.final.serving == b.identity.peer_id
+                # B would now hold 2 of 2 forwards > half: over the cap, A serves itself
+                second = await ca.ask([("system", SYSTEM), ("user", "2")], max_tokens=1)
+                assert second.final.serving == a.identity.peer_id
+            await _shutdown([a, b])
+
+    trio.run(main)
+
+
+def test_deadline_expires_with_error_frame(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            (a,) = await _start(nursery, tmp_path, 1, tps=(50.0,))  # ~15 s of "prefill"
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                t0 = time.monotonic()
+                with pytest.raises(RequestFailed) as info:
+                    await ca.ask([("system", SYSTEM), ("user", "slow")], max_tokens=2,
+                                 deadline_s=1.0)
+                assert info.value.code == "deadline"
+                assert time.monotonic() - t0 < 3.0
+            await _shutdown([a])
+
+    trio.run(main)
+
+
+def test_unknown_namespace_and_duplicate_ids_are_refused(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            (a,) = await _start(nursery, tmp_path, 1)
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                stream = await ca.host.open_stream(a.identity.peer_id, wire.INFER_PROTOCOL)
+                from prefixmesh.overlay.host import FramedStream
+
+                fs = FramedStream(stream)
+                await fs.send(wire.Request(id=b"1" * 16, ns=b"?" * 8, tokens=(1, 2, 3),
+                                           deadline=time.time() + 10))
+                err = await fs.receive()
+                assert isinstance(err, wire.Error) and err.code == "unknown_namespace"
+                tenant = await ca.tenant()
+                rid, deadline = b"2" * 16, time.time() + 10
+                req = wire.Request(id=rid, ns=tenant.ns_id, credential=tenant.credential(rid, deadline),
+                                   tokens=tuple(range(40)), deadline=deadline,
+                                   sampling=wire.Sampling(max_tokens=1))
+                for expected in (wire.Tokens, wire.Error):
+                    fs = FramedStream(await ca.host.open_stream(a.identity.peer_id, wire.INFER_PROTOCOL))
+                    await fs.send(req)
+                    frame = await fs.receive()
+                    assert isinstance(frame, expected), frame
+                    await fs.close()
+                assert frame.code == "bad_request" and "duplicate" in frame.message
+            await _shutdown([a])
+
+    trio.run(main)
+
+
+def test_silent_peer_expires_from_indexes(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b = await _start(nursery, tmp_path, 2, ttl=2.0, refresh=0.5)
+            async with Client.connect(b.full_addrs()[0]) as cb:
+                await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
+            await _wait(lambda: _knows(a, b))
+            await b.shutdown(grace_s=0.1)
+            await _wait(lambda: a.index.estimate(b.identity.peer_id) is None, timeout=10)
+            await _shutdown([a])
+
+    trio.run(main)
+
+
+def test_relay_resume_filter():
+    sent = []
+
+    async def main():
+        async def emit(frame):
+            sent.append(frame)
+
+        relay = _Relay(emit)
+        await relay.tokens(wire.Tokens("Hello"))
+        await relay.tokens(wire.Tokens(" wor"))
+        relay.replay = ""  # a replacement source starts from the beginning
+        for piece in ("Hel", "lo w", "orld", "!"):
+            await relay.tokens(wire.Tokens(piece))
+        assert "".join(f.text for f in sent) == "Hello world!"
+        relay.replay = ""
+        with pytest.raises(_Diverged):
+            await relay.tokens(wire.Tokens("Help"))
+
+    trio.run(main)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=60), st.data())
+def test_relay_resume_filter_property(text, data):
+    """Whatever was relayed before a failure, and however the replacement chunks the same
+    output, the requester receives exactly the full text once."""
+    cut = data.draw(st.integers(0, len(text)))
+    bounds = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    sent = []
+
+    async def main():
+        async def emit(frame):
+            sent.append(frame.text)
+
+        relay = _Relay(emit)
+        if cut:
+            await relay.tokens(wire.Tokens(text[:cut]))
+        relay.replay = ""
+        prev = 0
+        for b in [*bounds, len(text)]:
+            if b > prev:
+                await relay.tokens(wire.Tokens(text[prev:b]))
+                prev = b
+
+    trio.run(main)
+    assert "".join(sent) == text

@@ -1,0 +1,218 @@
+"""The discrete-event simulator and the sweep harness (small synthetic runs, seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import deque
+
+import pytest
+
+from prefixmesh.bench import sweep
+from prefixmesh.bench.sim import (
+    SimConfig,
+    Simulator,
+    add_sim_arguments,
+    measure_convergence,
+    percentile,
+    run_bench_sim,
+    simulate,
+)
+from prefixmesh.bench.workloads import Request, Workload, synthetic_workload
+
+BIG = 1 << 40
+
+
+@pytest.fixture(scope="module")
+def small_wl() -> Workload:
+    return synthetic_workload(300, rate=6.0, n_docs=30, n_system=4, seed=1)
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 50) == 0.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    assert percentile([5.0], 1) == 5.0
+
+
+def test_same_seed_same_result(small_wl):
+    cfg = SimConfig(nodes=4, policy="prefixmesh", jitter_ms=1.0, seed=7)
+    a = simulate(small_wl, cfg).metrics
+    b = simulate(small_wl, cfg).metrics
+    for key in ("hit_ratio", "latency_s", "forwarded_fraction", "digest_bytes_per_node_s"):
+        assert a[key] == b[key]
+
+
+def test_single_node_unlimited_cache_reaches_the_ideal(small_wl):
+    # One node, unlimited capacity, every match reused: the hit ratio is exactly the
+    # ideal one, except that the last prompt token is always recomputed.
+    cfg = SimConfig(nodes=1, policy="local", kv_capacity_bytes=BIG, min_reuse_tokens=1)
+    res = simulate(small_wl, cfg)
+    ideal = small_wl.ideal_per_request()
+    expect = sum(
+        min(i, len(r.tokens) - 1) for i, r in zip(ideal, small_wl.requests, strict=True)
+    ) / sum(len(r.tokens) for r in small_wl.requests)
+    assert res.metrics["hit_ratio"] == pytest.approx(expect)
+    assert res.requests == len(small_wl)
+
+
+def test_service_model_latencies():
+    # Two identical prompts far apart in time on one node: the second reuses all but the
+    # last token: restore + 1 token of prefill + decode.
+    toks = tuple(range(1, 1001))
+    wl = Workload("two", [Request(0, 0.0, toks, 12), Request(1, 100.0, toks, 12)], "ids")
+    cfg = SimConfig(nodes=1, policy="local", prefill_tps=500.0, decode_tps=100.0,
+                    restore_s=0.25, kv_capacity_bytes=BIG)  # fmt: skip
+    sim = Simulator(wl, cfg)
+    res = sim.run()
+    cold = 1000 / 500.0 + 12 / 100.0
+    warm = 0.25 + 1 / 500.0 + 12 / 100.0
+    assert sim.m_e2e == pytest.approx([cold, warm])
+    assert sim.m_ttft == pytest.approx([cold - 0.12, warm - 0.12])
+    assert res.metrics["hit_ratio"] == pytest.approx(999 / 2000)
+
+
+def test_fifo_queue_wait_counts():
+    toks_a, toks_b = tuple(range(1, 401)), tuple(range(1001, 1401))
+    wl = Workload("q", [Request(0, 0.0, toks_a, 1), Request(1, 0.1, toks_b, 1)], "ids")
+    cfg = SimConfig(nodes=1, policy="local", prefill_tps=400.0, decode_tps=100.0)
+    sim = Simulator(wl, cfg)
+    sim.run()
+    assert sim.m_e2e[0] == pytest.approx(1.01)
+    assert sim.m_e2e[1] == pytest.approx(1.01 - 0.1 + 1.01)  # waited for the first
+
+
+def test_capacity_limits_hits(small_wl):
+    big = simulate(small_wl, SimConfig(nodes=1, policy="local", kv_capacity_bytes=BIG))
+    tiny = simulate(
+        small_wl, SimConfig(nodes=1, policy="local", kv_capacity_bytes=2000 * 23_052)
+    )
+    assert tiny.metrics["hit_ratio"] < big.metrics["hit_ratio"]
+
+
+def test_gossip_is_real_and_routing_uses_it(small_wl):
+    cfg = SimConfig(nodes=4, policy="paper", kv_capacity_bytes=30_000 * 23_052)
+    sim = Simulator(small_wl, cfg)
+    res = sim.run()
+    m = res.metrics
+    assert m["digest_bytes_per_node_s"] > 0
+    # every node learned every other node from signed records
+    for node in sim.nodes:
+        assert len(node.index) == 3
+        assert node.ae.stats["records_received"] > 0
+    assert 0 < m["forwarded_fraction"] < 1
+    assert m["forwards_with_estimate"] > 0
+    assert m["hit_ratio"] <= m["ideal_hit_ratio"] + 1e-9
+
+
+def test_cache_aware_routing_beats_local_only(small_wl):
+    cap = 12_000 * 23_052  # a few prompts per node: affinity matters
+    local = simulate(small_wl, SimConfig(nodes=4, policy="local", kv_capacity_bytes=cap))
+    mesh = simulate(small_wl, SimConfig(nodes=4, policy="prefixmesh", kv_capacity_bytes=cap))
+    oracle = simulate(small_wl, SimConfig(nodes=4, policy="oracle", kv_capacity_bytes=cap))
+    assert mesh.metrics["hit_ratio"] > local.metrics["hit_ratio"]
+    assert oracle.metrics["hit_ratio"] > local.metrics["hit_ratio"]
+
+
+def test_baselines_run_and_forward_once(small_wl):
+    for pol in ("round-robin", "random", "consistent-hash"):
+        res = simulate(small_wl, SimConfig(nodes=4, policy=pol))
+        assert res.metrics["mean_hops_forwarded"] in (0.0, 1.0)
+        assert res.metrics["forwarded_fraction"] > 0.5  # 3 of 4 targets are remote
+
+
+def test_lying_peers_cause_false_hits(small_wl):
+    honest = simulate(small_wl, SimConfig(nodes=8, policy="paper", seed=2))
+    lying = simulate(small_wl, SimConfig(nodes=8, policy="paper", liar_fraction=0.25, seed=2))
+    assert lying.metrics["liars"] == 2
+    assert lying.metrics["forwarded_to_liars"] > 0
+    assert lying.metrics["false_hit_rate"] > honest.metrics["false_hit_rate"]
+
+
+def test_convergence_of_a_new_prefix():
+    r = measure_convergence(12, fanout=2, interval_s=1.0, seed=3)
+    assert r["warmup_complete"] and r["converged"]
+    assert 0 < r["convergence_s"] < 30
+    assert r["digest_bytes_per_node_s"] > 0
+
+
+def _cli(argv):
+    p = argparse.ArgumentParser()
+    add_sim_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_bench_sim_cli_json(capsys):
+    ns = _cli(["--workload", "synthetic", "--requests", "150", "--nodes", "3", "--json"])
+    assert run_bench_sim(ns) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 150
+    assert 0 <= out["metrics"]["hit_ratio"] <= 1
+
+
+def test_bench_sim_cli_bad_workload(capsys, tmp_path):
+    ns = _cli(["--workload", str(tmp_path / "nope.jsonl")])
+    assert run_bench_sim(ns) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_sweep_quick_harness(tmp_path):
+    out, plots = tmp_path / "bench", tmp_path / "plots"
+    rc = sweep.main(["--quick", "--out", str(out), "--plots", str(plots),
+                     "--experiments", "delay,convergence", "--no-plots"])  # fmt: skip
+    assert rc == 0
+    rows = sweep.read_csv(out / "sim_delay.csv")
+    assert {r["label"] for r in rows} >= {"paper", "prefixmesh", "round-robin", "oracle"}
+    assert all(0 <= r["hit_ratio"] <= 1 for r in rows)
+    md = (out / "sim.md").read_text()
+    assert "sim_delay.csv" in md and "sim_convergence.csv" in md
+    # the hand-written analysis section survives a regeneration
+    (out / "sim.md").write_text(md + "\nmy analysis\n")
+    sweep.write_summary(out, plots, "cmd")
+    assert "my analysis" in (out / "sim.md").read_text()
+
+
+def test_skipping_message_decoding_changes_nothing(small_wl):
+    wl = small_wl.head(150)
+    fast = simulate(wl, SimConfig(nodes=4, policy="prefixmesh", decode_messages=False))
+    slow = simulate(wl, SimConfig(nodes=4, policy="prefixmesh", decode_messages=True))
+    assert fast.metrics["digest_bytes_per_node_s"] == slow.metrics["digest_bytes_per_node_s"]
+    assert fast.metrics["latency_s"] == slow.metrics["latency_s"]
+    assert fast.metrics["hit_ratio"] == slow.metrics["hit_ratio"]
+
+
+def test_trust_feedback_steers_away_from_liars():
+    wl = synthetic_workload(1200, rate=4.0, n_docs=60, n_system=4, seed=1)
+    base = SimConfig(nodes=8, policy="prefixmesh", liar_fraction=0.25, seed=2)
+    blind = simulate(wl, base).metrics
+    base.trust_feedback = True
+    wary = simulate(wl, base).metrics
+    assert wary["forwarded_to_liars"] < blind["forwarded_to_liars"]
+    assert wary["false_hit_rate"] < blind["false_hit_rate"]
+
+
+def test_inflight_correction_adds_recent_forwards_to_advertised_load(small_wl):
+    sim = Simulator(small_wl.head(50), SimConfig(nodes=3, inflight_correction=True))
+    sim.run()
+    router, peer = sim.nodes[0], sim.nodes[1]
+    est = router.index.estimate(peer.pid)
+    advertised = est.load.queue_depth + est.load.active
+    issued = est.expires_at - sim.cfg.digest_ttl_s
+    router.fwd_log[peer.pid] = deque([issued - 1.0, issued + 0.5, issued + 0.7])
+    cand = sim._estimate_candidate(router, peer.pid, 32)
+    assert cand.load == advertised + 2  # the forward before the figure is already in it
+    assert cand.matched_tokens == 32
+
+
+def test_ski_rental_stops_paying_rtt_for_the_same_prefix(small_wl):
+    light = synthetic_workload(300, rate=0.5, n_docs=10, n_system=2, followup_p=0.0, seed=4)
+    base = SimConfig(nodes=4, policy="prefixmesh", delay_ms=250, kv_capacity_bytes=BIG)
+    plain = simulate(light, base).metrics
+    base.ski_rental = True
+    ski = simulate(light, base).metrics
+    assert ski["forwarded_fraction"] < plain["forwarded_fraction"]
+    # at 1 ms RTT the rent never reaches the price of a miss: no change at all
+    near = SimConfig(nodes=4, policy="prefixmesh", delay_ms=0.5, kv_capacity_bytes=BIG)
+    a = simulate(small_wl, near).metrics
+    near.ski_rental = True
+    assert simulate(small_wl, near).metrics["latency_s"] == a["latency_s"]

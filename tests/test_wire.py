@@ -1,0 +1,276 @@
+"""Frame codec and stream state machine of overlay/wire.py (pure; property-based)."""
+
+from __future__ import annotations
+
+import struct
+
+import cbor2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixmesh.overlay import wire as w
+
+ids = st.binary(min_size=0, max_size=40)
+short = st.text(max_size=30)
+floats = st.floats(min_value=-1.0, max_value=1e6, allow_nan=False)
+nonneg = st.floats(min_value=0.0, max_value=1e6, allow_nan=False)
+
+hops = st.builds(
+    w.Hop,
+    peer=ids,
+    action=st.sampled_from(["serve", "forward", "fallback"]),
+    reason=short,
+    next_peer=ids,
+    local_matched_tokens=st.integers(0, w.MAX_PROMPT_TOKENS),
+    est_local_s=floats,
+    est_peer_s=floats,
+    decide_ms=nonneg,
+    ttft_ms=floats,
+)
+messages = st.builds(w.Message, role=st.sampled_from(["system", "user", "assistant"]), content=st.text(max_size=200))
+token_lists = st.lists(st.integers(0, 0xFFFFFFFF), max_size=50).map(tuple)
+
+requests = st.builds(
+    w.Request,
+    id=ids,
+    ns=ids,
+    credential=ids,
+    messages=st.lists(messages, min_size=1, max_size=5).map(tuple),
+    tokens=token_lists,
+    sampling=st.builds(
+        w.Sampling,
+        max_tokens=st.integers(0, 1000),
+        temperature=st.floats(0.0, 2.0),
+        top_p=st.floats(0.0, 1.0),
+        seed=st.integers(0, 2**32 - 1),
+    ),
+    deadline=st.floats(0.0, 2e9),
+    hop_budget=st.integers(0, w.MAX_HOPS),
+    visited=st.lists(ids, max_size=w.MAX_HOPS).map(tuple),
+    trace=st.lists(hops, max_size=4).map(tuple),
+    stream=st.booleans(),
+)
+
+
+@st.composite
+def finals(draw):
+    pt = draw(st.integers(0, 5000))
+    return w.Final(
+        id=draw(ids),
+        entry=draw(ids),
+        serving=draw(ids),
+        prompt_tokens=pt,
+        cached_tokens=draw(st.integers(0, pt)),
+        completion_tokens=draw(st.integers(0, 1000)),
+        ttft_ms=draw(floats),
+        total_ms=draw(floats),
+        finish_reason=draw(short),
+        hops=tuple(draw(st.lists(hops, max_size=4))),
+    )
+
+
+frames = st.one_of(
+    requests,
+    st.builds(w.Tokens, text=st.text(max_size=100), token_ids=token_lists),
+    finals(),
+    st.just(w.End()),
+    st.builds(w.Error, code=st.sampled_from(sorted(w.ERROR_CODES)), message=short),
+    st.builds(w.Ping, nonce=st.integers(0, 2**63 - 1)),
+    st.builds(w.Pong, nonce=st.integers(0, 2**63 - 1), queue_depth=st.integers(0, 100),
+              active=st.integers(0, 9), summary_hash=st.binary(max_size=32)),
+    st.just(w.PeersQuery()),
+)
+
+
+def _normalise(frame):
+    """Floats may round-trip through a shorter CBOR float; compare after one round trip."""
+    return w.decode_body(w.encode_frame(frame)[4:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(frames)
+def test_roundtrip(frame):
+    data = w.encode_frame(frame)
+    (length,) = struct.unpack(">I", data[:4])
+    assert length == len(data) - 4
+    decoded = w.decode_body(data[4:])
+    assert type(decoded) is type(frame)
+    # encoding is canonical: re-encoding the decoded frame gives the same bytes
+    assert w.encode_frame(decoded) == data
+    if not isinstance(frame, w.Request | w.Final):
+        assert decoded == frame
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(frames, min_size=1, max_size=6), st.data())
+def test_decoder_any_chunking(frame_list, data):
+    stream = b"".join(w.encode_frame(f) for f in frame_list)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
+    dec = w.FrameDecoder()
+    out = []
+    prev = 0
+    for c in [*cuts, len(stream)]:
+        dec.feed(stream[prev:c])
+        prev = c
+        out.extend(dec.frames())
+    dec.eof()
+    assert [w.encode_frame(f) for f in out] == [w.encode_frame(f) for f in frame_list]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_random_bytes_only_raise_wire_error(data):
+    dec = w.FrameDecoder()
+    try:
+        dec.feed(data)
+        list(dec.frames())
+        dec.eof()
+    except w.WireError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames, st.data())
+def test_mutated_frames_only_raise_wire_error(frame, data):
+    buf = bytearray(w.encode_frame(frame))
+    n_mut = data.draw(st.integers(1, 4))
+    for _ in range(n_mut):
+        kind = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
+        pos = data.draw(st.integers(0, max(0, len(buf) - 1)))
+        if kind == "flip" and buf:
+            buf[pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "insert":
+            buf[pos:pos] = bytes([data.draw(st.integers(0, 255))])
+        elif kind == "delete" and buf:
+            del buf[pos]
+        elif kind == "truncate":
+            del buf[pos:]
+    dec = w.FrameDecoder()
+    try:
+        dec.feed(bytes(buf))
+        list(dec.frames())
+        dec.eof()
+    except w.WireError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | st.binary(max_size=20),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=4), c, max_size=4),
+    max_leaves=20,
+))
+def test_arbitrary_cbor_values_only_raise_wire_error(value):
+    body = cbor2.dumps(value, canonical=True)
+    try:
+        w.decode_body(body)
+    except w.WireError:
+        pass
+
+
+def test_oversize_prefix_refused_before_body():
+    dec = w.FrameDecoder()
+    with pytest.raises(w.OversizeFrame):
+        dec.feed(struct.pack(">I", w.MAX_FRAME_BYTES + 1))
+    assert dec.buffered <= 4
+    with pytest.raises(w.OversizeFrame):  # poisoned
+        dec.feed(b"\x00")
+
+
+def test_truncated_stream():
+    data = w.encode_frame(w.Ping(7))
+    dec = w.FrameDecoder()
+    dec.feed(data[:-1])
+    assert dec.next_frame() is None
+    with pytest.raises(w.TruncatedFrame):
+        dec.eof()
+
+
+def test_non_canonical_refused():
+    # map keys out of canonical order
+    body = b"\xa2" + cbor2.dumps("n") + cbor2.dumps(1) + cbor2.dumps("t") + cbor2.dumps("ping")
+    assert w.decode_body(body) == w.Ping(1)  # bytewise-sorted keys: canonical
+    bad = b"\xa2" + cbor2.dumps("t") + cbor2.dumps("ping") + cbor2.dumps("n") + cbor2.dumps(1)
+    with pytest.raises(w.NonCanonicalFrame):
+        w.decode_body(bad)
+    # non-shortest integer head
+    bad_int = b"\xa2" + cbor2.dumps("n") + b"\x18\x01" + cbor2.dumps("t") + cbor2.dumps("ping")
+    with pytest.raises(w.MalformedFrame):
+        w.decode_body(bad_int)
+
+
+def test_tags_indefinite_and_deep_nesting_refused():
+    with pytest.raises(w.MalformedFrame):
+        w.decode_body(b"\xc1\x00")  # tag 1
+    with pytest.raises(w.MalformedFrame):
+        w.decode_body(b"\x9f\x00\xff")  # indefinite array
+    with pytest.raises(w.MalformedFrame):
+        w.decode_body(b"\x81" * 50 + b"\x00")
+    with pytest.raises(w.MalformedFrame):  # claims 2^32 items in a tiny frame
+        w.decode_body(b"\x9a\xff\xff\xff\xff\x00")
+
+
+def test_limits():
+    base = w.Request(id=b"i", ns=b"n", tokens=(1,))
+    too_many = w.Request(id=b"i", ns=b"n", messages=tuple(w.Message("user", "x") for _ in range(w.MAX_MESSAGES + 1)))
+    with pytest.raises(w.LimitExceeded):
+        w.encode_frame(too_many)
+    with pytest.raises(w.LimitExceeded):
+        w.encode_frame(w.Request(id=b"i", ns=b"n", tokens=(1,) * (w.MAX_PROMPT_TOKENS + 1)))
+    with pytest.raises(w.LimitExceeded):
+        w.encode_frame(w.Request(id=b"i", ns=b"n", tokens=(1,), visited=(b"p",) * (w.MAX_HOPS + 1)))
+    with pytest.raises(w.LimitExceeded):
+        w.encode_frame(w.Request(id=b"i", ns=b"n", tokens=(1,), hop_budget=w.MAX_HOPS + 1))
+    with pytest.raises(w.InvalidField):
+        w.encode_frame(w.Request(id=b"i", ns=b"n"))  # neither messages nor tokens
+    with pytest.raises(w.InvalidField):
+        w.encode_frame(w.Error(code="nope", message=""))
+    assert w.decode_body(w.encode_frame(base)[4:]) == base
+
+
+def test_unknown_type_and_extra_keys():
+    with pytest.raises(w.UnknownFrameType):
+        w.decode_body(cbor2.dumps({"t": "bogus"}, canonical=True))
+    with pytest.raises(w.InvalidField):
+        w.decode_body(cbor2.dumps({"t": "end", "x": 1}, canonical=True))
+    with pytest.raises(w.InvalidField):
+        w.decode_body(cbor2.dumps({"t": "ping"}, canonical=True))
+
+
+def test_stream_state_machine():
+    ok = [w.Request(id=b"i", ns=b"n", tokens=(1,)), w.Tokens("a"), w.Tokens("b"),
+          w.Final(b"i", b"e", b"s", 1, 0, 2, 1.0, 2.0, "stop", ()), w.End()]
+    s = w.InferStreamState()
+    s.request_sent(ok[0])
+    for f in ok[1:]:
+        s.on_response(f)
+    assert s.state == s.DONE and s.tokens_frames == 2
+
+    s = w.InferStreamState()
+    s.request_received(ok[0])
+    s.response_sent(w.Tokens("a"))
+    s.response_sent(w.Error("upstream_failed", "x"))
+    assert s.finished and s.state == s.FAILED
+    with pytest.raises(w.ProtocolViolation):
+        s.response_sent(w.End())
+
+    s = w.InferStreamState()
+    with pytest.raises(w.ProtocolViolation):
+        s.on_response(w.Tokens("a"))
+    s = w.InferStreamState()
+    s.request_sent(ok[0])
+    with pytest.raises(w.ProtocolViolation):
+        s.on_response(w.End())  # END before FINAL
+    with pytest.raises(w.ProtocolViolation):
+        s.request_sent(ok[0])
+
+
+def test_peers_reply_roundtrip():
+    reply = w.PeersReply(
+        self_peer=b"me", model=b"fp", addrs=("/ip4/127.0.0.1/tcp/1",),
+        peers=(w.PeerInfo(b"p", ("/ip4/127.0.0.1/tcp/2",), True, False, 1.5, 2, 1, 40, 0.5,
+                          ("bootstrap", "gossip")),),
+        stats={"rejected_BadSignature": 3},
+    )
+    assert w.decode_body(w.encode_frame(reply)[4:]) == reply
