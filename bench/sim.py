@@ -943,7 +943,7 @@ def run_bench_sim(ns: argparse.Namespace) -> int:
         f"{result.workload}: {result.requests} requests, N={cfg.nodes}, policy={cfg.policy}, "
         f"delay={cfg.delay_ms:g} ms one-way\n"
         f"  hit ratio {m['hit_ratio']:.3f} (ideal {m['ideal_hit_ratio']:.3f}, "
-        f"{m['hit_vs_ideal']:.3f} x ideal)\n"
+        f"{m['hit_vs_ideal']:.3f} x ideal); {m['request_hit_fraction']:.1%} of requests hit\n"
         f"  latency mean {m['latency_s']['mean']:.3f}s p50 {m['latency_s']['p50']:.3f}s "
         f"p99 {m['latency_s']['p99']:.3f}s; TTFT mean {m['ttft_s']['mean']:.3f}s\n"
         f"  load max/mean {m['load_imbalance_requests']:.2f} (busy {m['load_imbalance_busy']:.2f});"
