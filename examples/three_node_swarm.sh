@@ -25,6 +25,8 @@
 # SIGTERM first (the node finishes cleanly and flushes its KV index), SIGKILL after 10 s.
 
 set -euo pipefail
+{ # the whole script is one block: bash parses it before running, so editing this file
+  # while a swarm runs cannot change what the running script does next
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 
@@ -54,7 +56,7 @@ if [[ -z "${PREFIXMESH:-}" ]]; then
 fi
 PYTHON=${PYTHON:-python3}
 READY_TIMEOUT=${READY_TIMEOUT:-120}
-if [[ "$FAST" == 1 ]]; then MAX_TOKENS=8; else MAX_TOKENS=64; fi
+if [[ "$FAST" == 1 ]]; then MAX_TOKENS=8 CHAT_MAX_TOKENS=16; else MAX_TOKENS=64 CHAT_MAX_TOKENS=256; fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/prefixmesh-swarm.XXXXXX")
 PIDS=()
@@ -136,7 +138,7 @@ peers_count() {
 import json, sys
 peers = json.load(sys.stdin)["peers"]
 print(sum(1 for p in peers if p["up"]), sum(1 for p in peers if p["n_hashes"] > 0))
-' || echo "0 0"
+' 2>/dev/null || echo "0 0"
 }
 
 # wait_for ADDR WHAT MIN_UP MIN_CACHING: poll the node's peer view (no fixed sleeps)
@@ -217,11 +219,16 @@ if [[ "$CHAT" == 1 ]]; then
   if [[ -t 0 && -t 1 ]]; then
     echo
     echo "chatting through node2; /system TEXT sets a system prompt, /stats, /quit (or Ctrl-D)"
+    # a client config: which node to talk to, and how long answers may be
+    printf '[client]\npeer = "%s"\nmax_tokens = %d\n' "$ADDR2" "$CHAT_MAX_TOKENS" \
+      >"$WORK/client.toml"
     # Ctrl-C belongs to the chat (it cancels an answer) while it runs, not to this script
     trap : INT
-    "$PREFIXMESH" chat --peer "$ADDR2" || true
+    "$PREFIXMESH" chat --config "$WORK/client.toml" || true
     trap 'exit 130' INT
   else
     echo "(--chat needs a terminal; skipped)" >&2
   fi
 fi
+exit 0
+}

@@ -239,7 +239,9 @@ def test_shared_prefix_is_served_from_a_cache_through_each_entry_node(swarm):
         assert st["entry"] == entry.peer_b58 and st["served_by"] in ids
         assert st["completion_tokens"] == int(MAX_TOKENS)
         assert st["prompt_tokens"] > 150 and st["ttft_s"] > 0
-        assert st["hops"] == (0 if st["served_by"] == entry.peer_b58 else 1), st["route"]
+        # hops: forwards on the way (0 iff the entry served it; at most the hop budget)
+        assert (st["hops"] == 0) == (st["served_by"] == entry.peer_b58), st["route"]
+        assert st["hops"] <= 2 and len(st["route"]) == st["hops"] + 1, st["route"]
         if i == 0:
             assert st["cached_tokens"] == 0, st  # nobody holds the shared prompt yet
         else:
@@ -330,7 +332,7 @@ def test_chat_three_turns_in_a_terminal(swarm, tmp_path):
                 term.out[line_start:stats.end()]
             served, hops, n_cached, n_prompt, ttft = stats.groups()
             assert served in by_short, served
-            assert int(hops) == (0 if by_short[served] == entry.peer_b58 else 1)
+            assert (int(hops) == 0) == (by_short[served] == entry.peer_b58)
             assert float(ttft) > 0 and 0 <= int(n_cached) <= int(n_prompt)
             cached.append(int(n_cached))
             at = stats.end()
