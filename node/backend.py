@@ -99,6 +99,7 @@ class BackendLoad:
     kv_capacity_bytes: int
     kv_used_bytes: int
     avg_request_s: float  # recent mean service time of one request (queue-wait estimates)
+    prefill_measured: bool = True  # False: prefill_tps is a default, not a measurement
 
 
 @runtime_checkable
@@ -390,11 +391,12 @@ class LlamaBackend:
         return BackendLoad(
             queue_depth=load.queue_depth,
             active=load.active,
-            prefill_tps=load.prefill_tps or 400.0,  # measured figure of the default model until measured
+            prefill_tps=load.prefill_tps or 400.0,  # the default model's figure until measured
             decode_tps=load.decode_tps or 100.0,
             kv_capacity_bytes=capacity,
             kv_used_bytes=used,
             avg_request_s=self._avg_request_s,
+            prefill_measured=load.prefill_tps > 0,
         )
 
     def drain_cache_events(self) -> list[CacheEvent]:

@@ -177,7 +177,9 @@ class Node:
                 self.ae.local_remove_prefix(ev.ns, ev.chain)
         load = self.backend.load_figures()
         self.ae.set_local_load(
-            LoadFigures(load.queue_depth, load.active, load.prefill_tps, load.decode_tps),
+            # an unmeasured rate is advertised as 0 ("unknown": peers then assume their own)
+            LoadFigures(load.queue_depth, load.active,
+                        load.prefill_tps if load.prefill_measured else 0.0, load.decode_tps),
             load.kv_capacity_bytes,
             load.kv_used_bytes,
         )

@@ -184,7 +184,7 @@ def _count_socket_bytes() -> None:
 
 
 def bench_digest_bytes(n: int, prefixes: int, seconds: float, interval: float, fanout: int,
-                       summary_hash: bool = True) -> dict:
+                       summary_hash: bool = True, pong_hash: bool = True) -> dict:
     _count_socket_bytes()
     async def main():
         with tempfile.TemporaryDirectory() as d:
@@ -192,6 +192,8 @@ def bench_digest_bytes(n: int, prefixes: int, seconds: float, interval: float, f
                 nodes = await _swarm(nursery, n, Path(d), interval, fanout)
                 for nd in nodes:
                     nd.gossip.summary_hash_check = summary_hash
+                    if not pong_hash:
+                        nd.gossip.peer_hash = None
                 rng = random.Random(1)
                 shared = [rng.randrange(50_000) for _ in range(32)]
                 for node in nodes:
@@ -236,6 +238,7 @@ def bench_digest_bytes(n: int, prefixes: int, seconds: float, interval: float, f
                     for a, b in zip(after, before, strict=True))
                 result = {
                     "nodes": n, "prefixes_per_node": prefixes, "summary_hash_check": summary_hash,
+                    "peer_choice_by_pong_hash": pong_hash,
                     "hashes_per_node": statistics.mean(expect.values()),
                     "initial_full_sync_s": round(sync_s, 2),
                     "window_s": seconds,
@@ -314,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--seconds", type=float, default=30.0)
     b.add_argument("--no-summary-hash", action="store_true",
                    help="always exchange full summaries (for comparison)")
+    b.add_argument("--no-pong-hash", action="store_true",
+                   help="pick exchange peers at random, ignoring the hashes heartbeats report")
     c = sub.add_parser("convergence")
     c.add_argument("--nodes", type=int, default=8)
     c.add_argument("--trials", type=int, default=20)
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_hop(a.requests)
     elif a.which == "digest-bytes":
         result = bench_digest_bytes(a.nodes, a.prefixes, a.seconds, a.interval, a.fanout,
-                                    not a.no_summary_hash)
+                                    not a.no_summary_hash, not a.no_pong_hash)
     else:
         result = bench_convergence(a.nodes, a.trials, a.interval, a.fanout)
     print(json.dumps(result, indent=2))

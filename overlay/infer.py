@@ -383,10 +383,17 @@ class InferService:
         )
         for peer in unmatched[: self.settings.max_shed_candidates]:
             candidates.append(candidate(peer, 0))
+        local_tps = load.prefill_tps
+        if not load.prefill_measured:
+            # not measured here yet: a default would make the comparison with peers'
+            # measured rates unfair either way; same model, so use theirs (median)
+            rates = sorted(c.prefill_tps for c in candidates if c.prefill_tps > 0)
+            if rates:
+                local_tps = rates[len(rates) // 2]
         ctx = RouteContext(
             prompt_tokens=len(req.tokens),
             local_matched_tokens=min(local_matched, len(req.tokens)),
-            local_prefill_tps=max(load.prefill_tps, 1.0),
+            local_prefill_tps=max(local_tps, 1.0),
             local_queue_wait_s=local_wait,
             local_load=float(load.queue_depth + load.active),
             candidates=tuple(candidates),

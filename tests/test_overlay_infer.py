@@ -229,3 +229,31 @@ def test_relay_resume_filter_property(text, data):
 
     trio.run(main)
     assert "".join(sent) == text
+
+
+def test_heartbeats_carry_summary_hashes_and_in_sync_peers_are_skipped(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes = await _start(nursery, tmp_path, 3)
+            a = nodes[0]
+
+            def in_sync():
+                return all(
+                    n.heartbeat.health.get(m.identity.peer_id) is not None
+                    and n.heartbeat.health[m.identity.peer_id].summary_hash == n.gossip.own_hash
+                    for n in nodes for m in nodes if m is not n
+                )
+
+            await _wait(in_sync, timeout=20)
+            before = {n: n.gossip.stats["exchanges_ok"] for n in nodes}
+            skipped = a.gossip.stats["peers_skipped_in_sync"]
+            await trio.sleep(1.0)  # ~3 rounds in sync: peers skipped, (almost) no exchanges
+            assert a.gossip.stats["peers_skipped_in_sync"] > skipped
+            # a new cached prefix changes B's hash: others see it in PONGs and pull it
+            b = nodes[1]
+            b.backend.insert_prefix(next(iter(b.tenants)).ns_id, list(range(64)))
+            await _wait(lambda: all(_knows(n, b) for n in nodes if n is not b), timeout=10)
+            assert sum(n.gossip.stats["exchanges_ok"] - before[n] for n in nodes) >= 1
+            await _shutdown(nodes)
+
+    trio.run(main)
