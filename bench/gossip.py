@@ -3,10 +3,16 @@
 This is the thin driver a host would also need: it calls ``AntiEntropy`` and the
 ``encode_*``/``decode_*`` codecs of ``overlay/antientropy.py`` and nothing else, so the
 bytes the simulator counts are the bytes a real node would put on the wire (minus
-libp2p stream framing). Exchange (3 messages, push-pull), as in that module:
+libp2p stream framing). Exchange, as the real node's ``overlay/gossip.py`` runs it:
 
+0. A -> B hash of A's summary; B -> A "in sync?" (true ends the exchange: the steady
+   state costs two tiny messages); A -> B, when not in sync:
 1. A -> B summary;  2. B -> A records A lacks + B's summary;  3. A -> B records B lacks
    (omitted when there are none).
+
+(The real node also learns peers' summary hashes from heartbeat PONGs and skips in-sync
+peers before opening an exchange at all; the simulator has no heartbeats, so its digest
+byte counts are an upper bound of the real node's.)
 
 Every message is encoded (its length is what the simulator counts). With
 ``decode=False`` the receiver uses the object the sender encoded instead of decoding the
@@ -23,16 +29,19 @@ from prefixmesh.overlay.antientropy import (
     decode_records,
     decode_reply,
     decode_summary,
+    decode_summary_hash,
     encode_records,
     encode_reply,
     encode_summary,
+    encode_summary_hash,
+    summary_hash,
 )
 from prefixmesh.overlay.digest import DigestRecord
 from prefixmesh.overlay.identity import Identity
 
 __all__ = ["Message", "make_antientropy", "open_exchange", "handle"]
 
-SUMMARY, REPLY, RECORDS = 1, 2, 3
+HASH, HASH_ANSWER, SUMMARY, REPLY, RECORDS = 10, 11, 1, 2, 3
 
 
 class Message:
@@ -53,9 +62,12 @@ def make_antientropy(
     )
 
 
-def open_exchange(ae: AntiEntropy) -> Message:
-    """Message 1 of an exchange started by ``ae``."""
+def open_exchange(ae: AntiEntropy, *, hash_check: bool = True) -> Message:
+    """The first message of an exchange started by ``ae``."""
     summary = ae.summary()
+    if hash_check:
+        digest = summary_hash(summary)
+        return Message(HASH, encode_summary_hash(digest), digest)
     return Message(SUMMARY, encode_summary(summary), summary)
 
 
@@ -63,6 +75,15 @@ def handle(
     ae: AntiEntropy, msg: Message, now: float, budget_bytes: int, *, decode: bool = True
 ) -> tuple[Message | None, list[DigestRecord], list[bytes]]:
     """Process ``msg`` at ``ae``: (reply or None, records applied, origins dropped)."""
+    if msg.kind == HASH:
+        theirs = decode_summary_hash(msg.data) if decode else msg.value
+        same = theirs == summary_hash(ae.summary())
+        return Message(HASH_ANSWER, encode_summary_hash(same), same), [], []
+    if msg.kind == HASH_ANSWER:
+        in_sync = decode_summary_hash(msg.data) if decode else msg.value
+        if in_sync is True:
+            return None, [], []
+        return open_exchange(ae, hash_check=False), [], []
     if msg.kind == SUMMARY:
         theirs = decode_summary(msg.data) if decode else msg.value
         records = ae.records_for(theirs, budget_bytes)

@@ -100,6 +100,7 @@ Pure code: time and randomness come in as arguments; no trio, libp2p or llama im
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -139,7 +140,11 @@ __all__ = [
     "MAX_SUMMARY_ENTRIES",
     "MAX_SNAPSHOT_REQUESTS",
     "MAX_MESSAGE_ITEMS",
+    "MSG_SUMMARY_HASH",
     "MSG_SUMMARY",
+    "summary_hash",
+    "encode_summary_hash",
+    "decode_summary_hash",
     "MSG_REPLY",
     "MSG_RECORDS",
     "AntiEntropy",
@@ -767,6 +772,40 @@ def _dump(message: list) -> bytes:
     if len(data) > MAX_MESSAGE_BYTES:
         raise OversizeMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return data
+
+
+MSG_SUMMARY_HASH = 0
+SUMMARY_HASH_BYTES = 16
+_MAX_HASH_MESSAGE_BYTES = 64
+
+
+def summary_hash(summary: Mapping[bytes, tuple[int, int]]) -> bytes:
+    """16-byte hash of a summary's canonical encoding (equal iff the summaries are).
+
+    An exchange opens with it (:func:`encode_summary_hash`): two peers that are already
+    in sync (the steady state) exchange 16 bytes and a boolean instead of their summaries.
+    """
+    return hashlib.blake2b(encode_summary(summary), digest_size=SUMMARY_HASH_BYTES).digest()
+
+
+def encode_summary_hash(value: bytes | bool) -> bytes:
+    """Message 0: ``[0, hash16]`` (the opener) or ``[0, bool]`` (the answer: in sync?)."""
+    return _dump([MSG_SUMMARY_HASH, value])
+
+
+def decode_summary_hash(data: bytes) -> bytes | bool:
+    """Inverse of :func:`encode_summary_hash`; raises :class:`MalformedMessage`."""
+    if len(data) > _MAX_HASH_MESSAGE_BYTES:
+        raise OversizeMessage(f"summary-hash message of {len(data)} bytes")
+    try:
+        msg = cbor2.loads(data)
+    except Exception as exc:  # cbor2 raises several types on garbage; all mean malformed
+        raise MalformedMessage(f"summary-hash message is not CBOR: {exc}") from None
+    if isinstance(msg, list) and len(msg) == 2 and msg[0] == MSG_SUMMARY_HASH and (
+        (type(msg[1]) is bytes and len(msg[1]) == SUMMARY_HASH_BYTES) or type(msg[1]) is bool
+    ):
+        return msg[1]
+    raise MalformedMessage("summary-hash message must be [0, hash16] or [0, bool]")
 
 
 def encode_summary(summary: Mapping[bytes, tuple[int, int]]) -> bytes:

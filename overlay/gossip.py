@@ -36,14 +36,12 @@ nodes therefore pay for summaries only when some origin issued a new record.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-import cbor2
 import trio
 
 from . import wire
@@ -54,9 +52,12 @@ from .antientropy import (
     decode_records,
     decode_reply,
     decode_summary,
+    decode_summary_hash,
     encode_records,
     encode_reply,
     encode_summary,
+    encode_summary_hash,
+    summary_hash,
 )
 from .digest import DigestError
 from .host import FramedStream, HostError, OverlayHost
@@ -64,28 +65,15 @@ from .peerindex import PeerCacheIndex
 
 __all__ = ["Gossip", "summary_hash"]
 
-_MSG_HASH = 0
-_MAX_HASH_MESSAGE_BYTES = 64
 
 
-def summary_hash(summary) -> bytes:
-    """16-byte hash of a summary's canonical encoding (equal iff the summaries are)."""
-    return hashlib.blake2b(encode_summary(summary), digest_size=16).digest()
-
-
-def _decode_hash_message(data: bytes):
-    """``[0, bytes16]`` or ``[0, bool]``; anything else is a malformed message."""
-    if len(data) > _MAX_HASH_MESSAGE_BYTES:
-        return None
+def _decode_hash_message(data: bytes) -> bytes | bool | None:
+    """The summary-hash message, or None if malformed (counted by the caller)."""
     try:
-        msg = cbor2.loads(data)
-    except Exception:
+        return decode_summary_hash(data)
+    except AntiEntropyError:
         return None
-    if isinstance(msg, list) and len(msg) == 2 and msg[0] == _MSG_HASH and (
-        (isinstance(msg[1], bytes) and len(msg[1]) == 16) or isinstance(msg[1], bool)
-    ):
-        return msg[1]
-    return None
+
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +196,7 @@ class Gossip:
         try:
             summary = self.ae.summary()
             if self.summary_hash_check:
-                await self._send(fs, cbor2.dumps([_MSG_HASH, summary_hash(summary)], canonical=True))
+                await self._send(fs, encode_summary_hash(summary_hash(summary)))
                 verdict = _decode_hash_message(await self._receive(fs))
                 if verdict is True:
                     self.stats["exchanges_in_sync"] += 1
@@ -237,7 +225,7 @@ class Gossip:
                 theirs = _decode_hash_message(first)
                 if isinstance(theirs, bytes):  # summary-hash check first
                     same = theirs == summary_hash(self.ae.summary())
-                    await self._send(fs, cbor2.dumps([_MSG_HASH, same], canonical=True))
+                    await self._send(fs, encode_summary_hash(same))
                     if same:
                         self.stats["exchanges_in_sync"] += 1
                         return
