@@ -742,3 +742,37 @@ def test_convergence_of_64_lossy_peers_is_logarithmic(fanout):
                 break
         assert sim.converged()
         assert sim.dropped > 0.1 * sim.messages
+
+
+def test_summary_hash_messages_round_trip_and_reject_garbage():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from prefixmesh.overlay.antientropy import (
+        AntiEntropyError,
+        decode_summary_hash,
+        encode_summary_hash,
+        summary_hash,
+    )
+
+    a = summary_hash({b"\x00" * 38: (1, 2)})
+    assert len(a) == 16 and a != summary_hash({b"\x00" * 38: (1, 3)})
+    assert summary_hash({}) == summary_hash({})
+    for value in (a, True, False):
+        assert decode_summary_hash(encode_summary_hash(value)) == value
+
+    @given(st.binary(max_size=80))
+    @settings(max_examples=300)
+    def fuzz(data):
+        try:
+            decode_summary_hash(data)
+        except AntiEntropyError:
+            pass
+
+    fuzz()
+    for bad in (b"", b"\x82\x00\x01", encode_summary_hash(a)[:-1], b"\x82\x01\xf5"):
+        try:
+            decode_summary_hash(bad)
+        except AntiEntropyError:
+            continue
+        raise AssertionError(f"accepted {bad!r}")
