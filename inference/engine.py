@@ -625,6 +625,10 @@ class Engine:
                 lib.llama_model_default_params = original
         self._lib = lib
         self._llama = llama
+        if cfg.n_gpu_layers != 0 or log.isEnabledFor(logging.DEBUG):
+            from .gpu import describe, gpu_report
+
+            log.info("accelerator: %s", describe(gpu_report()))
         self._ctx = llama._ctx.ctx
         self._mem = lib.llama_get_memory(self._ctx)
         self._vocab = llama._model.vocab

@@ -1,0 +1,59 @@
+"""What accelerator a node has, for operators' logs: optional, never required.
+
+``torch`` (the ``gpu`` extra) is used only to name the GPU and report its free memory
+when it is installed; the engine itself needs nothing but llama.cpp, whose own build
+decides whether ``n_gpu_layers`` can offload anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+__all__ = ["GpuReport", "gpu_report", "describe"]
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    llama_gpu_offload: bool | None  # llama.cpp built with a GPU backend? None = unknown
+    devices: tuple[tuple[str, int, int], ...]  # (name, free bytes, total bytes) per GPU
+
+
+def _llama_offload() -> bool | None:
+    try:
+        llama_cpp = importlib.import_module("llama_cpp")
+        return bool(llama_cpp.llama_supports_gpu_offload())
+    except Exception:  # not installed, or a build without the symbol
+        return None
+
+
+def _torch_devices() -> tuple[tuple[str, int, int], ...]:
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError:
+        return ()
+    try:
+        if not torch.cuda.is_available():
+            return ()
+        out = []
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            out.append((torch.cuda.get_device_name(i), int(free), int(total)))
+        return tuple(out)
+    except Exception:  # a broken driver must not stop a CPU node
+        return ()
+
+
+def gpu_report() -> GpuReport:
+    return GpuReport(llama_gpu_offload=_llama_offload(), devices=_torch_devices())
+
+
+def describe(report: GpuReport) -> str:
+    """One line for the node's start-up log."""
+    offload = {True: "llama.cpp GPU offload available", False: "llama.cpp CPU-only build",
+               None: "llama.cpp GPU offload unknown"}[report.llama_gpu_offload]
+    if not report.devices:
+        return f"no GPU reported (install the 'gpu' extra to see one); {offload}"
+    gpus = ", ".join(f"{name} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)"
+                     for name, free, total in report.devices)
+    return f"{gpus}; {offload}"
