@@ -47,8 +47,16 @@ Proposals (off by default; measured in docs/bench/sim.md, not node features yet)
     ``trust_feedback``: a router lowers its trust in a peer whose actual reuse fell short
     of the advertised match (AIMD), as if replies reported reused tokens.
     ``inflight_correction``: a router adds its own forwards since a peer's load figure
-    was issued to that figure. ``ski_rental``: a router serves a prefix locally once the
-    RTT it has paid forwarding that prefix reaches the cost of one local miss.
+    was issued to that figure.
+
+Routing improvements (node features: ``RoutingConfig`` in ``overlay/routing.py``)
+    Every ``prefixmesh`` node keeps a ``RentLedger`` (ski rental: serve a prefix
+    locally once the RTT it has paid forwarding that prefix reaches the cost of one
+    local miss) and a ``PlacementLedger`` (decayed counts of where it placed requests and
+    of requests peers forwarded to it: the placement bound and hot-node shedding), exactly
+    as a real node would; ``SimConfig.ski_rental``
+    and ``RoutingConfig(bound_placements=..., load_slack=...)`` switch them off for
+    before/after comparisons.
 
 Limits
     Memory and time grow with N x (records per node): N=1024 is fine for the convergence
@@ -59,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import heapq
 import json
@@ -80,9 +89,12 @@ from prefixmesh.overlay.peerindex import PeerCacheIndex
 from prefixmesh.overlay.routing import (
     FORWARD,
     Candidate,
+    PlacementLedger,
+    RentLedger,
     RouteContext,
     RoutingConfig,
     make_policy,
+    rent_key,
 )
 
 from . import gossip as _gossip
@@ -132,7 +144,9 @@ class SimConfig:
     shed_candidates: int = 2  # random extra peers offered to prefixmesh (load shedding)
     trust_feedback: bool = False  # forwarder learns actual/estimated reuse (proposal)
     inflight_correction: bool = False  # add own forwards since a peer's load figure (proposal)
-    ski_rental: bool = False  # warm the local cache once forwarding rent exceeds its cost
+    # Ski rental now lives in routing (RoutingConfig.ski_rental, on by default); None
+    # follows `routing`, True/False override it (the sweeps compare both).
+    ski_rental: bool | None = None
     liar_fraction: float = 0.0  # nodes advertising prefixes they do not hold
     entry: str = "random"  # random | round-robin | first (all requests enter at node 0)
     seed: int = 0
@@ -218,7 +232,7 @@ class _Node:
     __slots__ = (
         "idx", "ident", "pid", "ae", "index", "policy", "tree", "queue", "busy", "busy_until",
         "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "known", "trust",
-        "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent",
+        "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent", "placements",
     )  # fmt: skip
 
 
@@ -254,6 +268,11 @@ class Simulator:
             raise ValueError("nodes must be >= 1")
         self.cfg = config
         self.workload = workload
+        self.routing = (
+            config.routing
+            if config.ski_rental is None
+            else dataclasses.replace(config.routing, ski_rental=config.ski_rental)
+        )
         # Independent random streams, so that e.g. a policy that samples extra candidates
         # does not change which node each request enters at: every policy sees the same
         # entries, gossip partners and link jitter for one seed.
@@ -316,7 +335,7 @@ class Simulator:
         )  # fmt: skip
         n.index = PeerCacheIndex()
         n.policy = make_policy(
-            cfg.policy, cfg.routing, random.Random(self.rng.getrandbits(64)), n.pid
+            cfg.policy, self.routing, random.Random(self.rng.getrandbits(64)), n.pid
         )
         n.true_blocks = {}
         n.tree = RadixTree(cfg.kv_capacity_bytes, on_evict=functools.partial(self._evicted, n))
@@ -335,7 +354,8 @@ class Simulator:
         n.rr_entry = 0
         n.current = None
         n.fwd_log = {}
-        n.rent = {}
+        n.rent = RentLedger()
+        n.placements = PlacementLedger(self.routing.placement_tau_s)
         self.by_pid[n.pid] = i
         return n
 
@@ -447,6 +467,10 @@ class Simulator:
                 candidates = self._index_candidates(node, chain, sr.visited)
             elif policy_name == "oracle":
                 candidates = self._oracle_candidates(node, chain)
+        ledgers = policy_name == "prefixmesh"
+        if ledgers and sr.hops:
+            node.placements.record_inbound(self.now)
+        key = rent_key(chain, candidates) if ledgers else None
         ctx = RouteContext(
             prompt_tokens=n_tok,
             local_matched_tokens=local_matched,
@@ -458,24 +482,19 @@ class Simulator:
             visited=sr.visited,
             first_block=chain[0] if chain else None,
             all_peers=self.all_pids if policy_name in _PICK_ONE else (),
+            rent_paid_s=node.rent.paid(key, self.now),
+            recent_placed_total=node.placements.total(self.now) if ledgers else 0.0,
+            recent_placed_local=node.placements.recent(node.pid, self.now) if ledgers else 0.0,
+            recent_forwarded_in=node.placements.inbound(self.now) if ledgers else 0.0,
+            n_nodes=len(node.known) + 1 if ledgers else 0,
         )
         decision = node.policy.decide(ctx)
+        if ledgers:
+            node.rent.observe(key, ctx, decision, self.now)
+            node.placements.record(decision.peer or node.pid, self.now)
         if decision.action == FORWARD and decision.peer is not None:
             target = self.by_pid[decision.peer]
             est = next((c.matched_tokens for c in candidates if c.peer == decision.peer), 0)
-            if cfg.ski_rental and est >= 16 and decision.est_peer_s is not None:
-                # Ski rental (a proposal): forwarding for a prefix costs one RTT each time
-                # ("rent"); serving it here once costs the extra prefill of a miss ("buy")
-                # and then every later request for it is local. Rent until the rent paid
-                # for this prefix reaches the buy price, then buy: 2-competitive.
-                key = chain[est // 16 - 1]
-                rent = node.rent.get(key, 0.0) + self.rtt_s
-                buy = decision.est_local_s - (decision.est_peer_s - self.rtt_s)
-                if rent >= buy:
-                    node.rent.pop(key, None)
-                    self._enqueue(node, sr, local_matched)
-                    return
-                node.rent[key] = rent
             sr.est_tokens = est
             sr.est_from = node.idx
             if cfg.inflight_correction:
@@ -535,6 +554,7 @@ class Simulator:
             load=load,
             rtt_s=self.rtt_s,
             trust=node.trust.get(peer, 1.0),
+            recent_placed=node.placements.recent(peer, self.now),
         )
 
     def _oracle_candidates(self, node: _Node, chain: list[bytes]) -> list[Candidate]:
@@ -742,7 +762,7 @@ class Simulator:
             "requests_per_wall_minute": self.m_done / wall * 60.0 if wall > 0 else 0.0,
         }
         conf = asdict(cfg)
-        conf["routing"] = asdict(cfg.routing)
+        conf["routing"] = asdict(self.routing)
         conf["resolved_max_hops"] = self.max_hops
         conf["resolved_min_reuse_tokens"] = self.min_reuse
         return SimResult(conf, wl.name, self.m_done, span, wall, metrics)
@@ -886,8 +906,14 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liars", type=float, default=0.0, help="fraction of lying nodes")
     p.add_argument("--trust-feedback", action="store_true",
                    help="routers lower a peer's trust when its actual reuse falls short")
-    p.add_argument("--ski-rental", action="store_true",
-                   help="serve a prefix locally once the RTT paid forwarding it exceeds a miss")
+    p.add_argument("--ski-rental", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve a prefix locally once the RTT paid forwarding it exceeds a miss "
+                        "(routing default: on)")
+    p.add_argument("--placement-bound", action=argparse.BooleanOptionalAction, default=True,
+                   help="bound each router's smoothed placements per node (routing default: on)")
+    p.add_argument("--load-slack", type=float, default=RoutingConfig().load_slack,
+                   help="requests above the mean load a candidate may carry regardless of the "
+                        "bound")
     p.add_argument("--inflight-correction", action="store_true",
                    help="add a router's own recent forwards to a peer's advertised load")
     p.add_argument("--entry", default=d.entry, choices=["random", "round-robin", "first"])
@@ -914,6 +940,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         ski_rental=ns.ski_rental,
         entry=ns.entry,
         seed=ns.seed,
+        routing=RoutingConfig(bound_placements=ns.placement_bound, load_slack=ns.load_slack),
     )
 
 

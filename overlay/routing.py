@@ -37,6 +37,46 @@ Policies (``make_policy(name, ...)``)
     Every policy that picks a peer still respects ``visited`` and ``hop_budget``:
     when its pick is not allowed it serves locally and says so.
 
+Ski rental (``RoutingConfig.ski_rental``, on by default; ``prefixmesh`` only)
+    The cost model is myopic: forwarding a miss to the holder of a long prefix saves
+    prefill once, but this node then never caches that prefix and every later request
+    for it pays the hop again. Forwarding is *renting* (one RTT per forward), serving
+    the miss here is *buying* (``local - (peer - rtt)``: the extra prefill of one
+    local miss; afterwards the prefix is cached here). The node keeps the rent it has
+    paid per prefix in a ``RentLedger`` and passes it as ``RouteContext.rent_paid_s``;
+    the policy serves locally (buys) once ``rent_paid_s + rtt >= buy`` - the classic
+    2-competitive break-even rule. Only cache-driven forwards (the chosen peer claims a
+    longer match than local) rent. With ``rent_paid_s == 0`` it never changes a
+    decision (a paying forward has ``buy > rtt``).
+
+Smoothed load (``RoutingConfig.bound_placements``, on by default; ``prefixmesh`` only)
+    Advertised queue depths are almost always 0 or 1 at the utilisation where caches
+    pay, so the instantaneous bound is vacuous and Zipf-hot prefixes pile onto their
+    holders. The digest's ``LoadFigures`` stay as they are; instead each router keeps a
+    ``PlacementLedger``: exponentially decayed counts (time constant
+    ``placement_tau_s``, 30 s) of the requests it placed at each node (itself
+    included) and of the requests peers forwarded to it. The caller passes them as
+    ``Candidate.recent_placed``, ``RouteContext.recent_placed_total``,
+    ``.recent_placed_local``, ``.recent_forwarded_in`` and ``.n_nodes`` (nodes in
+    view, this one included; 0 disables both rules). Two rules use them:
+
+    - *placement bound* (``placement_bound``): a candidate is eligible only while this
+      router's recent placements at it are at most ``max(ceil((1+eps) * (total+1) /
+      n) - 1, (total+1) / n + placement_slack)``: one router alone cannot pile its
+      traffic onto a holder.
+    - *shedding* (``is_hot``): with clients spread over the nodes every node forwards
+      out about the swarm's mean number of forwards, so a node whose peers forward it
+      more than ``(1+eps)`` x what it forwards out, plus ``placement_slack``, holds
+      something hot. A hot node forwards to any eligible peer whose estimate is no
+      worse than local by more than ``margin_s`` (the absolute margin only, so a
+      high-RTT hop never qualifies); its holders' replicas then share the load.
+
+Load slack (``RoutingConfig.load_slack``)
+    In small swarms the whole-request rounding of the bounded-load rule bites: with
+    loads (0, 1, 0) its bound is 0 and a peer with one running request is excluded
+    however long its cached prefix. A peer is never excluded while its load is at most
+    ``mean load + load_slack`` (default 1 request); see ``load_bound``.
+
 Load units
     ``load`` figures must be in requests (queued + running), so that one request adds
     one unit; the bounded-load limit rounds to whole requests.
@@ -58,7 +98,8 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -70,7 +111,12 @@ __all__ = [
     "Decision",
     "InvalidRouteContext",
     "InvalidRoutingConfig",
+    "DEFAULT_LEDGER_ENTRIES",
+    "DEFAULT_PLACEMENT_TAU_S",
+    "DEFAULT_RENT_MAX_AGE_S",
+    "PlacementLedger",
     "Policy",
+    "RentLedger",
     "RouteContext",
     "RoutingConfig",
     "RoutingError",
@@ -78,9 +124,12 @@ __all__ = [
     "candidate_cost_s",
     "load_bound",
     "local_cost_s",
+    "is_hot",
     "make_policy",
     "peer_label",
     "rendezvous_score",
+    "rent_key",
+    "placement_bound",
 ]
 
 SERVE = "serve"
@@ -128,6 +177,13 @@ class RoutingConfig:
         ``margin_s + margin_frac * est_local_s`` (50 ms + 10 % of the local estimate).
     trust_floor: candidates with ``trust`` below it are ignored.
     max_fallbacks: how many further peers a forwarding decision lists.
+    ski_rental: serve a prefix locally once the rent paid forwarding it reaches the
+        cost of one local miss (see the module docstring).
+    load_slack: a candidate is never excluded by the load bound while its load is at
+        most the mean load + ``load_slack`` requests (small-swarm rounding).
+    bound_placements: apply the bounded-load rule to this router's smoothed placements.
+    placement_slack: like ``load_slack`` for the placement bound (decayed requests).
+    placement_tau_s: the decay time constant callers give their ``PlacementLedger``.
     """
 
     load_epsilon: float = 0.25
@@ -135,6 +191,11 @@ class RoutingConfig:
     margin_frac: float = 0.10
     trust_floor: float = 0.2
     max_fallbacks: int = 3
+    ski_rental: bool = True
+    load_slack: float = 1.0
+    bound_placements: bool = True
+    placement_slack: float = 1.0
+    placement_tau_s: float = 30.0
 
     def __post_init__(self) -> None:
         _finite_nonneg(self.load_epsilon, "load_epsilon", InvalidRoutingConfig)
@@ -152,6 +213,15 @@ class RoutingConfig:
             raise InvalidRoutingConfig(
                 f"max_fallbacks must be an int >= 0, got {self.max_fallbacks!r}"
             )
+        for flag in ("ski_rental", "bound_placements"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRoutingConfig(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        _finite_nonneg(self.load_slack, "load_slack", InvalidRoutingConfig)
+        _finite_nonneg(self.placement_slack, "placement_slack", InvalidRoutingConfig)
+        if not (math.isfinite(self.placement_tau_s) and self.placement_tau_s > 0):
+            raise InvalidRoutingConfig(
+                f"placement_tau_s must be a finite number > 0, got {self.placement_tau_s!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -161,6 +231,8 @@ class Candidate:
     matched_tokens: the peer's estimated cached prefix of this prompt (tokens).
     prefill_tps: the peer's prefill rate; 0 means unknown, and the local rate is used.
     load: requests queued + running at the peer. trust in [0, 1].
+    recent_placed: this router's decayed count of requests recently placed at the
+        peer (``PlacementLedger.recent``); 0 when the caller keeps no ledger.
     """
 
     peer: bytes
@@ -170,6 +242,7 @@ class Candidate:
     load: float
     rtt_s: float
     trust: float = 1.0
+    recent_placed: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer, bytes):
@@ -185,6 +258,7 @@ class Candidate:
         _finite_nonneg(self.trust, "candidate trust", InvalidRouteContext)
         if self.trust > 1:
             raise InvalidRouteContext(f"candidate trust must be in [0, 1], got {self.trust!r}")
+        _finite_nonneg(self.recent_placed, "candidate recent_placed", InvalidRouteContext)
 
 
 @dataclass(frozen=True)
@@ -201,6 +275,11 @@ class RouteContext:
     visited: frozenset[bytes]  # peers this request has already been through
     first_block: bytes | None  # h_1 of the request (consistent-hash); None if no block
     all_peers: tuple[bytes, ...] = ()  # every known peer (round-robin, random, c-hash)
+    rent_paid_s: float = 0.0  # RTT already paid forwarding this prefix (RentLedger.paid)
+    recent_placed_total: float = 0.0  # PlacementLedger.total: decayed placements, all nodes
+    recent_placed_local: float = 0.0  # PlacementLedger.recent(self): requests served here
+    recent_forwarded_in: float = 0.0  # PlacementLedger.inbound: requests peers sent here
+    n_nodes: int = 0  # nodes the placements spread over, this one included; 0: no ledger
 
     def __post_init__(self) -> None:
         # Accept any iterable for the collection fields; store the immutable forms.
@@ -234,6 +313,12 @@ class RouteContext:
             seen.add(c.peer)
         if self.first_block is not None and not isinstance(self.first_block, bytes):
             raise InvalidRouteContext("first_block must be bytes or None")
+        _finite_nonneg(self.rent_paid_s, "rent_paid_s", InvalidRouteContext)
+        _finite_nonneg(self.recent_placed_total, "recent_placed_total", InvalidRouteContext)
+        _finite_nonneg(self.recent_placed_local, "recent_placed_local", InvalidRouteContext)
+        _finite_nonneg(self.recent_forwarded_in, "recent_forwarded_in", InvalidRouteContext)
+        if not isinstance(self.n_nodes, int) or self.n_nodes < 0:
+            raise InvalidRouteContext(f"n_nodes must be an int >= 0, got {self.n_nodes!r}")
 
 
 @dataclass(frozen=True)
@@ -296,7 +381,7 @@ def candidate_cost_s(ctx: RouteContext, c: Candidate, *, use_trust: bool = True)
     return (ctx.prompt_tokens - matched) / tps + c.queue_wait_s + c.rtt_s
 
 
-def load_bound(ctx: RouteContext, epsilon: float) -> float:
+def load_bound(ctx: RouteContext, epsilon: float, slack: float = 0.0) -> float:
     """The highest load an eligible ``prefixmesh`` candidate may carry.
 
     Bounded loads in the form of Mirrokni, Thorup and Zadimoghaddam: over the ``n``
@@ -306,12 +391,193 @@ def load_bound(ctx: RouteContext, epsilon: float) -> float:
     is at most that minus one. Counting the request and rounding up keep the rule
     from refusing every busy peer in a mostly idle cluster (with loads 0 and 1 the
     plain ``(1+eps) * mean`` bound would refuse a peer carrying a single request).
+    With ``slack > 0`` the bound is at least ``mean load + slack`` (the mean without
+    the request): in a 3-node swarm with loads (0, 1, 0) the rounded bound is 0, and a
+    slack of 1 keeps the peer with one request (and perhaps the longest match)
+    eligible.
     """
     loads = [ctx.local_load] + [c.load for c in ctx.candidates]
     mean_with_request = (sum(loads) + 1.0) / len(loads)
     # The small tolerance keeps float noise (1.25 * 4.0 == 5.000000000001) from
     # granting an extra whole request.
-    return math.ceil((1.0 + epsilon) * mean_with_request - 1e-9) - 1.0
+    bound = math.ceil((1.0 + epsilon) * mean_with_request - 1e-9) - 1.0
+    if slack > 0:
+        bound = max(bound, sum(loads) / len(loads) + slack)
+    return bound
+
+
+def placement_bound(ctx: RouteContext, epsilon: float, slack: float = 0.0) -> float:
+    """The most recent placements an eligible candidate may have (``inf``: no ledger).
+
+    The bounded-load rule applied to this router's decayed placement counts over
+    ``ctx.n_nodes`` nodes: ``max(ceil((1 + eps) * (total + 1) / n) - 1,
+    (total + 1) / n + slack)``. See "Smoothed load" in the module docstring.
+    """
+    if ctx.n_nodes <= 0:
+        return math.inf
+    mean_with_request = (ctx.recent_placed_total + 1.0) / ctx.n_nodes
+    bound = math.ceil((1.0 + epsilon) * mean_with_request - 1e-9) - 1.0
+    return max(bound, mean_with_request + slack)
+
+
+def is_hot(ctx: RouteContext, epsilon: float, slack: float = 0.0) -> bool:
+    """Whether this node receives clearly more forwarded requests than it sends out.
+
+    With clients spread over the nodes, every node forwards out about the mean number
+    of forwards the swarm makes, so a node whose peers send it more than ``(1 + eps)``
+    times what it sends out (plus ``slack``) holds something hot and should shed.
+    Always False without a ledger (``n_nodes == 0``).
+    """
+    if ctx.n_nodes <= 0:
+        return False
+    sent_out = max(0.0, ctx.recent_placed_total - ctx.recent_placed_local)
+    return ctx.recent_forwarded_in > (1.0 + epsilon) * sent_out + slack
+
+
+def rent_key(
+    chain: Sequence[bytes], candidates: Iterable[Candidate], block_tokens: int = 16
+) -> bytes | None:
+    """The ledger key of a request's rent: the chain hash at the deepest whole block any
+    candidate claims (capped at the chain's length); None when none claims a block.
+
+    Keying by the claimed prefix (not by the first block, which many different
+    prompts share) charges rent to the cache entry that forwarding would reuse.
+    """
+    deepest = max((c.matched_tokens // block_tokens for c in candidates), default=0)
+    deepest = min(deepest, len(chain))
+    return chain[deepest - 1] if deepest > 0 else None
+
+
+# ---------------------------------------------------------------------------- ledgers
+
+DEFAULT_LEDGER_ENTRIES = 4096
+DEFAULT_RENT_MAX_AGE_S = 600.0
+DEFAULT_PLACEMENT_TAU_S = 30.0
+
+
+class RentLedger:
+    """Ski-rental rent per prefix key: seconds of RTT paid forwarding it (pure, bounded).
+
+    At most ``max_entries`` keys (least recently touched dropped first, O(1) each); a
+    key not touched for ``max_age_s`` reads as 0 (demand that old says little about
+    the next request). Typical use per routing decision::
+
+        key = rent_key(chain, candidates)
+        ctx = RouteContext(..., rent_paid_s=ledger.paid(key, now))
+        decision = policy.decide(ctx)
+        ledger.observe(key, ctx, decision, now)
+
+    ``observe`` pays the chosen peer's RTT for a cache-driven forward (the peer claims
+    more than the local match) and clears the key when the request is served here:
+    the prefix is then cached locally (bought); if it is evicted later, renting starts
+    again from zero.
+    """
+
+    def __init__(
+        self, max_entries: int = DEFAULT_LEDGER_ENTRIES, max_age_s: float = DEFAULT_RENT_MAX_AGE_S
+    ) -> None:
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise RoutingError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        _finite_nonneg(max_age_s, "max_age_s", RoutingError)
+        self.max_entries = max_entries
+        self.max_age_s = max_age_s
+        self._rent: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # key -> (s, at)
+
+    def __len__(self) -> int:
+        return len(self._rent)
+
+    def paid(self, key: bytes | None, now: float) -> float:
+        """Rent paid for ``key`` so far (0 for None, unknown or stale keys)."""
+        if key is None:
+            return 0.0
+        got = self._rent.get(key)
+        if got is None or now - got[1] > self.max_age_s:
+            return 0.0
+        return got[0]
+
+    def pay(self, key: bytes, amount_s: float, now: float) -> float:
+        """Add ``amount_s`` of rent to ``key``; returns the new total."""
+        _finite_nonneg(amount_s, "rent amount", RoutingError)
+        total = self.paid(key, now) + amount_s
+        self._rent[key] = (total, now)
+        self._rent.move_to_end(key)
+        while len(self._rent) > self.max_entries:
+            self._rent.popitem(last=False)
+        return total
+
+    def settle(self, key: bytes | None) -> None:
+        """Forget ``key`` (the prefix was bought: served and cached here)."""
+        if key is not None:
+            self._rent.pop(key, None)
+
+    def observe(self, key: bytes | None, ctx: RouteContext, decision: Decision, now: float) -> None:
+        """Book one decision made with ``rent_paid_s = paid(key, now)``."""
+        if key is None:
+            return
+        if decision.action == SERVE:
+            self.settle(key)
+            return
+        c = next((c for c in ctx.candidates if c.peer == decision.peer), None)
+        if c is not None and c.matched_tokens > ctx.local_matched_tokens:
+            self.pay(key, c.rtt_s, now)
+
+
+class PlacementLedger:
+    """Exponentially decayed counts of the requests this router placed at each node.
+
+    ``record(node, now)`` after every decision (the chosen peer, or this node's own id
+    when serving) and ``record_inbound(now)`` for every request a peer forwarded here;
+    ``recent(node, now)``, ``total(now)``, ``recent(self_id, now)`` and ``inbound(now)``
+    feed ``Candidate.recent_placed``, ``RouteContext.recent_placed_total``,
+    ``.recent_placed_local`` and ``.recent_forwarded_in``. A count
+    decays by ``exp(-dt / tau_s)`` (default 30 s: about the last 30 s of placements),
+    so the figures are request rates x ``tau_s``. At most ``max_entries`` nodes are
+    tracked (least recently placed dropped first; their counts are tiny by then).
+    Time must not run backwards (an earlier ``now`` is treated as no time passing).
+    """
+
+    def __init__(
+        self, tau_s: float = DEFAULT_PLACEMENT_TAU_S, max_entries: int = DEFAULT_LEDGER_ENTRIES
+    ) -> None:
+        if not (isinstance(tau_s, int | float) and math.isfinite(tau_s) and tau_s > 0):
+            raise RoutingError(f"tau_s must be a finite number > 0, got {tau_s!r}")
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise RoutingError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        self.tau_s = float(tau_s)
+        self.max_entries = max_entries
+        self._counts: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # node -> (n, at)
+        self._total = (0.0, 0.0)
+        self._inbound = (0.0, 0.0)
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def _decayed(self, value: float, at: float, now: float) -> float:
+        return value * math.exp(-max(0.0, now - at) / self.tau_s) if value else 0.0
+
+    def recent(self, node: bytes, now: float) -> float:
+        got = self._counts.get(node)
+        return self._decayed(got[0], got[1], now) if got is not None else 0.0
+
+    def total(self, now: float) -> float:
+        return self._decayed(self._total[0], self._total[1], now)
+
+    def inbound(self, now: float) -> float:
+        """Decayed count of requests peers forwarded to this node."""
+        return self._decayed(self._inbound[0], self._inbound[1], now)
+
+    def record_inbound(self, now: float) -> None:
+        """Count one request that a peer forwarded here (before deciding on it)."""
+        at = max(now, self._inbound[1])
+        self._inbound = (self.inbound(at) + 1.0, at)
+
+    def record(self, node: bytes, now: float) -> None:
+        at = max(now, self._total[1])
+        self._counts[node] = (self.recent(node, at) + 1.0, at)
+        self._counts.move_to_end(node)
+        while len(self._counts) > self.max_entries:
+            self._counts.popitem(last=False)
+        self._total = (self.total(at) + 1.0, at)
 
 
 def _same_cost(a: float, b: float) -> bool:
@@ -359,8 +625,13 @@ class PrefixMeshPolicy:
         local = local_cost_s(ctx)
         if ctx.hop_budget <= 0:
             return _serve(f"{self.name}: serve, hop budget exhausted", local)
-        bound = load_bound(ctx, cfg.load_epsilon)
-        n_visited = n_untrusted = n_overloaded = 0
+        bound = load_bound(ctx, cfg.load_epsilon, cfg.load_slack)
+        placed_bound = (
+            placement_bound(ctx, cfg.load_epsilon, cfg.placement_slack)
+            if cfg.bound_placements
+            else math.inf
+        )
+        n_visited = n_untrusted = n_overloaded = n_hot = 0
         scored: list[tuple[float, bytes]] = []
         by_peer: dict[bytes, Candidate] = {}
         for c in ctx.candidates:
@@ -370,6 +641,8 @@ class PrefixMeshPolicy:
                 n_untrusted += 1
             elif c.load > bound:
                 n_overloaded += 1
+            elif c.recent_placed > placed_bound:
+                n_hot += 1
             else:
                 scored.append((candidate_cost_s(ctx, c), c.peer))
                 by_peer[c.peer] = c
@@ -378,14 +651,22 @@ class PrefixMeshPolicy:
             f"{len(ctx.candidates)} candidates: {n_visited} visited, "
             f"{n_untrusted} under trust floor {cfg.trust_floor:g}, "
             f"{n_overloaded} over load bound {bound:g}"
+            + (f", {n_hot} over placement bound {placed_bound:.2f}" if n_hot else "")
         )
-        paying = sorted((cost, p) for cost, p in scored if local - cost > required)
+        # A hot node sheds: any eligible peer no worse than local by more than
+        # ``margin_s`` will do (serving here is what is overloaded). Only the absolute
+        # margin: a relative one would let high-RTT hops through.
+        shedding = (
+            is_hot(ctx, cfg.load_epsilon, cfg.placement_slack) if cfg.bound_placements else False
+        )
+        need = -cfg.margin_s if shedding else required
+        paying = sorted((cost, p) for cost, p in scored if local - cost > need)
         if not paying:
             if scored:
                 best_cost, best_peer = min(scored)
                 best = (
                     f"best {peer_label(best_peer)} est {best_cost:.3f}s saves "
-                    f"{local - best_cost:.3f}s < required {required:.3f}s"
+                    f"{local - best_cost:.3f}s < required {need:.3f}s"
                 )
             else:
                 best = "no eligible candidate"
@@ -393,11 +674,35 @@ class PrefixMeshPolicy:
         ranked = _break_top_tie(paying, self.rng)
         cost, peer = ranked[0]
         c = by_peer[peer]
+        # Ski rental prices cache-driven forwards that pay for themselves; a shedding
+        # forward that does not pay is about load, not about renting a prefix.
+        if (
+            cfg.ski_rental
+            and c.matched_tokens > ctx.local_matched_tokens
+            and local - cost > required
+        ):
+            buy = local - (cost - c.rtt_s)
+            rent = ctx.rent_paid_s + c.rtt_s
+            if rent >= buy:
+                return _serve(
+                    f"{self.name}: serve (ski rental: rent {rent:.3f}s paid forwarding this "
+                    f"prefix >= one local miss {buy:.3f}s; would forward to "
+                    f"{peer_label(peer)} est {cost:.3f}s vs local {local:.3f}s)",
+                    local,
+                )
         fallbacks = tuple(p for _, p in ranked[1 : 1 + cfg.max_fallbacks])
         reason = (
             f"{self.name}: forward to {peer_label(peer)}, est {cost:.3f}s vs local "
-            f"{local:.3f}s (saves {local - cost:.3f}s > required {required:.3f}s; "
-            f"match {c.matched_tokens} tok x trust {c.trust:g} vs local "
+            f"{local:.3f}s ("
+            + (
+                f"shedding: {ctx.recent_forwarded_in:.2f} recent requests in from peers vs "
+                f"{ctx.recent_placed_total - ctx.recent_placed_local:.2f} out, loses "
+                f"{cost - local:.3f}s < margin "
+                f"{cfg.margin_s:.3f}s; "
+                if shedding
+                else f"saves {local - cost:.3f}s > required {required:.3f}s; "
+            )
+            + f"match {c.matched_tokens} tok x trust {c.trust:g} vs local "
             f"{ctx.local_matched_tokens} of {ctx.prompt_tokens}; queue {c.queue_wait_s:.3f}s, "
             f"rtt {c.rtt_s:.3f}s, load {c.load:g}); {skipped}; "
             f"{len(fallbacks)} fallbacks"

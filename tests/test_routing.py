@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -16,15 +17,20 @@ from prefixmesh.overlay.routing import (
     Decision,
     InvalidRouteContext,
     InvalidRoutingConfig,
+    PlacementLedger,
     Policy,
+    RentLedger,
     RouteContext,
     RoutingConfig,
     RoutingError,
     UnknownPolicy,
     candidate_cost_s,
+    is_hot,
     load_bound,
     local_cost_s,
     make_policy,
+    placement_bound,
+    rent_key,
 )
 
 SELF = b"self-node"
@@ -32,17 +38,22 @@ A, B, C, D = b"peer-A", b"peer-B", b"peer-C", b"peer-D"
 
 
 def cand(peer: bytes, matched: int = 0, *, tps: float = 400.0, wait: float = 0.0,
-         load: float = 0.0, rtt: float = 0.01, trust: float = 1.0) -> Candidate:
-    return Candidate(peer, matched, tps, wait, load, rtt, trust)
+         load: float = 0.0, rtt: float = 0.01, trust: float = 1.0,
+         placed: float = 0.0) -> Candidate:
+    return Candidate(peer, matched, tps, wait, load, rtt, trust, placed)
 
 
 def ctx(*candidates: Candidate, prompt: int = 2000, local_matched: int = 0,
         local_tps: float = 400.0, local_wait: float = 0.0, local_load: float = 0.0,
         hop_budget: int = 2, visited: frozenset[bytes] = frozenset(),
-        first_block: bytes | None = b"\x01" * 8, all_peers: tuple[bytes, ...] = ()
-        ) -> RouteContext:
+        first_block: bytes | None = b"\x01" * 8, all_peers: tuple[bytes, ...] = (),
+        rent: float = 0.0, placed_total: float = 0.0, placed_local: float = 0.0,
+        n_nodes: int = 0, fwd_in: float = 0.0) -> RouteContext:
     return RouteContext(prompt, local_matched, local_tps, local_wait, local_load,
-                        tuple(candidates), hop_budget, visited, first_block, all_peers)
+                        tuple(candidates), hop_budget, visited, first_block, all_peers,
+                        rent_paid_s=rent, recent_placed_total=placed_total,
+                        recent_placed_local=placed_local, recent_forwarded_in=fwd_in,
+                        n_nodes=n_nodes)
 
 
 def policy(name: str, seed: int = 0, **cfg: object) -> Policy:
@@ -55,6 +66,8 @@ def policy(name: str, seed: int = 0, **cfg: object) -> Policy:
 @pytest.mark.parametrize("kwargs", [
     {"load_epsilon": -0.1}, {"margin_s": -1.0}, {"margin_frac": 1.0}, {"margin_frac": float("nan")},
     {"trust_floor": 1.5}, {"max_fallbacks": -1}, {"max_fallbacks": 1.5},
+    {"ski_rental": 1}, {"bound_placements": "yes"}, {"load_slack": -1.0},
+    {"placement_slack": float("inf")}, {"placement_tau_s": 0.0},
 ])
 def test_config_rejects_out_of_range(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidRoutingConfig):
@@ -65,6 +78,8 @@ def test_config_defaults_are_documented_values() -> None:
     cfg = RoutingConfig()
     assert (cfg.load_epsilon, cfg.margin_s, cfg.margin_frac, cfg.trust_floor) == (
         0.25, 0.05, 0.10, 0.2)
+    assert (cfg.ski_rental, cfg.load_slack, cfg.bound_placements, cfg.placement_slack,
+            cfg.placement_tau_s) == (True, 1.0, True, 1.0, 30.0)
 
 
 def test_context_rejects_impossible_values() -> None:
@@ -80,6 +95,14 @@ def test_context_rejects_impossible_values() -> None:
         cand(A, rtt=float("inf"))
     with pytest.raises(InvalidRouteContext, match="matched_tokens"):
         cand(A, -1)
+    with pytest.raises(InvalidRouteContext, match="recent_placed"):
+        cand(A, placed=-1.0)
+    with pytest.raises(InvalidRouteContext, match="rent_paid_s"):
+        ctx(rent=float("nan"))
+    with pytest.raises(InvalidRouteContext, match="n_nodes"):
+        ctx(n_nodes=-1)
+    with pytest.raises(InvalidRouteContext, match="recent_placed_local"):
+        ctx(placed_local=-0.5)
 
 
 def test_context_freezes_collections() -> None:
@@ -332,6 +355,7 @@ def contexts(draw: st.DrawFn) -> RouteContext:
             float(draw(st.integers(0, 12))),
             draw(st.sampled_from([0.0, 0.001, 0.02, 0.1, 0.5])),
             draw(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0])),
+            draw(st.floats(0, 20)),
         )
         for p in peers
     )
@@ -342,6 +366,9 @@ def contexts(draw: st.DrawFn) -> RouteContext:
         draw(st.floats(0, 30)), float(draw(st.integers(0, 12))), cands,
         draw(st.integers(-1, 3)), visited,
         draw(st.one_of(st.none(), st.binary(min_size=8, max_size=8))), all_peers,
+        rent_paid_s=draw(st.sampled_from([0.0, 0.01, 0.5, 3.0])),
+        recent_placed_total=draw(st.floats(0, 60)), recent_placed_local=draw(st.floats(0, 20)),
+        recent_forwarded_in=draw(st.floats(0, 20)), n_nodes=draw(st.integers(0, 9)),
     )
 
 
@@ -372,21 +399,34 @@ def test_prefixmesh_only_forwards_to_eligible_paying_candidates(c: RouteContext,
     d = policy("prefixmesh", seed).decide(c)
     local = local_cost_s(c)
     assert d.est_local_s == pytest.approx(local)
-    bound = load_bound(c, cfg.load_epsilon)
+    bound = load_bound(c, cfg.load_epsilon, cfg.load_slack)
+    placed = placement_bound(c, cfg.load_epsilon, cfg.placement_slack)
+    shedding = is_hot(c, cfg.load_epsilon, cfg.placement_slack)
     required = cfg.margin_s + cfg.margin_frac * local
+    need = -cfg.margin_s if shedding else required
     by_peer = {x.peer: x for x in c.candidates}
     eligible = [
         x for x in c.candidates
         if x.peer not in c.visited and x.peer != SELF and x.trust >= cfg.trust_floor
-        and x.load <= bound
+        and x.load <= bound and x.recent_placed <= placed
     ]
-    paying = [x for x in eligible if local - candidate_cost_s(c, x) > required]
+    paying = [x for x in eligible if local - candidate_cost_s(c, x) > need]
     if d.action == SERVE:
-        assert c.hop_budget <= 0 or not paying
+        if c.hop_budget > 0 and paying:
+            # the only other reason to serve: ski rental bought the prefix
+            assert "ski rental" in d.reason
+            low = min(candidate_cost_s(c, x) for x in paying)
+            assert any(
+                c.rent_paid_s + x.rtt_s >= local - (candidate_cost_s(c, x) - x.rtt_s)
+                for x in paying
+                if candidate_cost_s(c, x) == pytest.approx(low) and x.matched_tokens > c.local_matched_tokens
+                and local - candidate_cost_s(c, x) > required
+            )
         return
     chosen = by_peer[d.peer]  # type: ignore[index]
     assert chosen in paying
     assert chosen.load <= bound  # never over the load bound
+    assert chosen.recent_placed <= placed  # nor over this router's placement bound
     assert d.est_peer_s == pytest.approx(candidate_cost_s(c, chosen))
     assert d.est_peer_s == pytest.approx(min(candidate_cost_s(c, x) for x in paying))
     for f in d.fallbacks:
@@ -418,3 +458,177 @@ def test_prefixmesh_huge_rtt_never_forwards_small_saving() -> None:
     for matched in range(0, 160, 16):  # saves at most 0.4 s of prefill
         d = policy("prefixmesh").decide(ctx(cand(A, matched, rtt=0.5), prompt=200))
         assert d.action == SERVE
+
+
+# ----------------------------------------------------------------------- ski rental
+
+
+def test_ski_rental_buys_once_rent_reaches_one_local_miss() -> None:
+    # Peer holds 1600 of 2000 tokens: local 5.0 s, peer 1.0 + 0.5 rtt = 1.5 s.
+    # Buying (serving the miss here) costs local - (peer - rtt) = 4.0 s of extra prefill.
+    peer = cand(A, 1600, rtt=0.5)
+    p = policy("prefixmesh")
+    assert p.decide(ctx(peer, rent=0.0)).action == FORWARD
+    assert p.decide(ctx(peer, rent=3.49)).action == FORWARD  # 3.49 + 0.5 < 4.0
+    d = p.decide(ctx(peer, rent=3.5))  # 3.5 + 0.5 >= 4.0: buy
+    assert d.action == SERVE and "ski rental" in d.reason
+    assert policy("prefixmesh", ski_rental=False).decide(ctx(peer, rent=100.0)).action == FORWARD
+
+
+def test_ski_rental_never_buys_for_a_load_shedding_forward() -> None:
+    # The peer matches nothing more than local: forwarding sheds queue wait, not rent.
+    c = ctx(cand(A, 0, wait=0.0), local_wait=20.0, local_load=2, rent=1000.0)
+    assert policy("prefixmesh").decide(c).peer == A
+
+
+def test_rent_key_is_the_deepest_claimed_block() -> None:
+    chain = [bytes([i]) * 8 for i in range(1, 6)]
+    assert rent_key(chain, []) is None
+    assert rent_key(chain, [cand(A, 15)]) is None  # no whole block
+    assert rent_key(chain, [cand(A, 16), cand(B, 47)]) == chain[1]
+    assert rent_key(chain, [cand(A, 10_000)]) == chain[-1]  # capped at the chain
+
+
+def test_rent_ledger_pays_settles_ages_and_is_bounded() -> None:
+    led = RentLedger(max_entries=2, max_age_s=10.0)
+    k1, k2, k3 = b"k1", b"k2", b"k3"
+    assert led.paid(k1, 0.0) == 0.0 and led.paid(None, 0.0) == 0.0
+    assert led.pay(k1, 0.5, 0.0) == 0.5
+    assert led.pay(k1, 0.5, 1.0) == 1.0
+    assert led.paid(k1, 11.0) == 1.0
+    assert led.paid(k1, 11.5) == 0.0  # untouched for longer than max_age_s
+    led.pay(k2, 0.1, 2.0)
+    led.pay(k3, 0.1, 3.0)  # evicts the least recently touched: k1
+    assert len(led) == 2 and led.paid(k1, 3.0) == 0.0 and led.paid(k2, 3.0) == 0.1
+    led.settle(k2)
+    assert led.paid(k2, 3.0) == 0.0 and len(led) == 1
+    with pytest.raises(RoutingError):
+        RentLedger(max_entries=0)
+    with pytest.raises(RoutingError):
+        led.pay(k1, -1.0, 4.0)
+
+
+def test_rent_ledger_observe_books_forwards_and_clears_on_serve() -> None:
+    led = RentLedger()
+    key = b"prefix-k"
+    c = ctx(cand(A, 1600, rtt=0.5), cand(B, 0, rtt=0.25), local_matched=0)
+    led.observe(key, c, Decision(FORWARD, A, "", 5.0, 1.5), 0.0)
+    assert led.paid(key, 0.0) == 0.5
+    led.observe(key, c, Decision(FORWARD, B, "", 5.0, 5.25), 0.0)  # B claims no more: no rent
+    assert led.paid(key, 0.0) == 0.5
+    led.observe(None, c, Decision(FORWARD, A, "", 5.0, 1.5), 0.0)  # no key: nothing
+    led.observe(key, c, Decision(SERVE, None, "", 5.0, None), 0.0)  # served here = bought
+    assert led.paid(key, 0.0) == 0.0 and len(led) == 0
+
+
+def test_rent_loop_reaches_the_break_even_and_then_stays_local() -> None:
+    # A router seeing the same prefix again and again forwards until the rent paid
+    # reaches the buy price, then serves it (and would cache it) - the 2-competitive rule.
+    led, p, key = RentLedger(), policy("prefixmesh"), b"k"
+    actions = []
+    for i in range(12):
+        c = ctx(cand(A, 1600, rtt=0.5), rent=led.paid(key, float(i)))
+        d = p.decide(c)
+        led.observe(key, c, d, float(i))
+        actions.append(d.action)
+    # buy price 4.0 s at 0.5 s per forward: 7 forwards (3.5 s), the 8th buys.
+    assert actions[:8] == [FORWARD] * 7 + [SERVE]
+    assert actions[8] == FORWARD  # a new rental period (the sim's cache makes it a hit)
+
+
+# ----------------------------------------------------------------------- load slack
+
+
+def test_load_slack_keeps_a_busy_long_match_eligible_in_a_small_swarm() -> None:
+    # Three nodes, loads (0, 1, 0): the rounded bound is 0, so without slack the peer
+    # with one running request is excluded although it holds most of the prompt.
+    holder, idle = cand(A, 1900, load=1), cand(B, 0, load=0)
+    c = ctx(holder, idle)
+    assert load_bound(c, 0.25) == 0
+    assert load_bound(c, 0.25, 1.0) == pytest.approx(1 / 3 + 1)
+    assert policy("prefixmesh", load_slack=0.0).decide(c).action == SERVE
+    assert policy("prefixmesh").decide(c).peer == A
+    # slack never lowers the rounded bound
+    even = ctx(cand(A, load=3), cand(B, load=3), cand(C, load=3), local_load=3)
+    assert load_bound(even, 0.25) == load_bound(even, 0.25, 0.5) == 4  # ceil(4.06) - 1 > 3.5
+
+
+# ----------------------------------------------------------------------- placement bound
+
+
+def test_placement_bound_formula() -> None:
+    assert placement_bound(ctx(), 0.25) == float("inf")  # no ledger: no bound
+    # 8 nodes, 15 recent placements: mean with the request 2.0; ceil(2.5) - 1 = 2; slack 1 -> 3
+    c = ctx(placed_total=15.0, n_nodes=8)
+    assert placement_bound(c, 0.25) == 2
+    assert placement_bound(c, 0.25, 1.0) == 3.0
+    c2 = ctx(placed_total=79.0, n_nodes=8)  # mean 10: ceil(12.5) - 1 = 12 > 10 + 1
+    assert placement_bound(c2, 0.25, 1.0) == 12
+
+
+def test_placement_bound_excludes_a_peer_this_router_has_fed_too_much() -> None:
+    hot, other = cand(A, 1900, placed=6.0), cand(B, 1500, placed=1.0)
+    c = ctx(hot, other, placed_total=15.0, placed_local=2.0, n_nodes=8)  # bound 3
+    d = policy("prefixmesh").decide(c)
+    assert d.peer == B and "1 over placement bound" in d.reason
+    assert policy("prefixmesh", bound_placements=False).decide(c).peer == A
+    assert policy("prefixmesh").decide(ctx(hot, other)).peer == A  # n_nodes 0: no ledger
+
+
+def test_is_hot_compares_forwards_in_with_forwards_out() -> None:
+    assert not is_hot(ctx(fwd_in=100.0), 0.25)  # no ledger
+    # 10 placements, 4 served here -> 6 sent out; 1.25 * 6 + 1 = 8.5
+    base = {"placed_total": 10.0, "placed_local": 4.0, "n_nodes": 4}
+    assert not is_hot(ctx(fwd_in=8.5, **base), 0.25, 1.0)
+    assert is_hot(ctx(fwd_in=8.6, **base), 0.25, 1.0)
+    assert is_hot(ctx(fwd_in=1.1, placed_total=3.0, placed_local=3.0, n_nodes=4), 0.25, 1.0)
+
+
+def test_hot_node_sheds_to_an_equal_peer_but_not_to_a_worse_one() -> None:
+    # Local and A both hold the prompt; serving here is cheaper by the RTT only.
+    equal = cand(A, 1900, rtt=0.01)
+    load = {"local_matched": 1900, "placed_total": 15.0, "placed_local": 9.0, "n_nodes": 8}
+    assert policy("prefixmesh").decide(ctx(equal, fwd_in=2.0, **load)).action == SERVE
+    d = policy("prefixmesh").decide(ctx(equal, fwd_in=20.0, **load))
+    assert d.peer == A and "shedding" in d.reason
+    assert policy("prefixmesh", bound_placements=False).decide(
+        ctx(equal, fwd_in=20.0, **load)).action == SERVE
+    # ... never to a peer worse than local by more than margin_s (a miss, or a far peer)
+    for worse in (cand(A, 0), cand(A, 1900, rtt=0.2)):
+        assert policy("prefixmesh").decide(ctx(worse, fwd_in=20.0, **load)).action == SERVE
+    # ... and never to one over this router's placement bound (bound 2 + slack 1 = 3)
+    fed = cand(A, 1900, rtt=0.01, placed=5.0)
+    assert policy("prefixmesh").decide(ctx(fed, fwd_in=20.0, **load)).action == SERVE
+
+
+def test_placement_ledger_decays_exponentially_and_is_bounded() -> None:
+    led = PlacementLedger(tau_s=10.0, max_entries=2)
+    led.record_inbound(0.0)
+    led.record_inbound(10.0)
+    assert led.inbound(10.0) == pytest.approx(math.exp(-1.0) + 1.0)
+    led.record(A, 0.0)
+    led.record(A, 0.0)
+    led.record(B, 5.0)
+    assert led.recent(A, 0.0) == pytest.approx(2.0)
+    assert led.recent(A, 10.0) == pytest.approx(2.0 * math.exp(-1.0))
+    assert led.total(10.0) == pytest.approx(2.0 * math.exp(-1.0) + math.exp(-0.5))
+    assert led.recent(C, 10.0) == 0.0
+    led.record(C, 6.0)  # a third node: the least recently placed (A) is dropped
+    assert len(led) == 2 and led.recent(A, 6.0) == 0.0
+    # time running backwards is treated as no time passing
+    led.record(B, 1.0)
+    assert led.recent(B, 6.0) == pytest.approx(math.exp(-0.1) + 1.0)
+    with pytest.raises(RoutingError):
+        PlacementLedger(tau_s=0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=st.lists(st.tuples(st.sampled_from(PEERS[:4]), st.floats(0, 5)), max_size=40))
+def test_placement_ledger_total_is_the_sum_of_its_nodes(events: list[tuple[bytes, float]]) -> None:
+    led, now = PlacementLedger(tau_s=7.0), 0.0
+    for node, dt in events:
+        now += dt
+        led.record(node, now)
+    later = now + 3.0
+    assert led.total(later) == pytest.approx(sum(led.recent(p, later) for p in PEERS[:4]))
+    assert led.total(later) <= len(events)
