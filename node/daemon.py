@@ -18,6 +18,20 @@ and then ``ready``; tests and scripts read them.
 Shutdown (SIGINT/SIGTERM): new requests are refused, in-flight ones are cancelled and end
 with an ERROR frame (``shutting_down``), the engine stops and flushes its KV index to disk.
 
+Spot checks (``--spot-check FRACTION``, ``NodeOptions.spot_check_fraction``, default 0):
+that fraction of the forwarded greedy requests a peer answered in full is re-executed here
+after the answer was delivered, one at a time; a mismatch lowers the peer's trust and is
+logged with evidence (``spot check MISMATCH``). Counters are in ``stats``
+(``infer_spot_*``) and per-peer trust in per-mille as ``trust_<last 8 chars of peer id>``.
+
+Test-only fault injection (never set it in production): the environment variable
+``PREFIXMESH_FAULT`` makes a node misbehave on purpose so that swarm tests can show the
+defences work. ``wrong-tokens``: requests this node serves *for other nodes* get altered
+text ("#" before every chunk) and token ids (+1). ``lie-digest``: the node advertises in its
+digest the block hashes of every prompt listed in the JSON file named by
+``PREFIXMESH_FAULT_PROMPTS`` (a list of message lists, ``[[["system", "..."], ...], ...]``),
+in every namespace it serves, without holding them.
+
 Run as a process for tests/scripts (the CLI's ``prefixmesh node`` calls :func:`run_node`)::
 
     python -m prefixmesh.node.daemon --listen /ip4/127.0.0.1/tcp/0 --bootstrap ADDR \\
@@ -39,6 +53,7 @@ from pathlib import Path
 
 import trio
 
+from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes
 from prefixmesh.overlay import wire
 from prefixmesh.overlay.antientropy import AntiEntropy
 from prefixmesh.overlay.digest import LoadFigures
@@ -46,11 +61,17 @@ from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat
 from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
-from prefixmesh.overlay.identity import Identity, KeyFileNotFound, load_identity, save_identity
+from prefixmesh.overlay.identity import (
+    Identity,
+    KeyFileNotFound,
+    load_identity,
+    peer_id_to_b58,
+    save_identity,
+)
 from prefixmesh.overlay.infer import InferService, InferSettings
 from prefixmesh.overlay.peerindex import PeerCacheIndex
 from prefixmesh.overlay.routing import RoutingConfig, make_policy
-from prefixmesh.overlay.trust import ForwardShareLimiter, TrustTracker
+from prefixmesh.overlay.trust import ForwardShareLimiter, SpotChecker, TrustTracker
 
 from .backend import Backend, BackendError, LlamaBackend, SimulatedBackend
 from .http_gateway import serve_node_http
@@ -75,6 +96,9 @@ class NodeOptions:
     print_addrs: bool = True
     seed: int | None = None  # gossip peer choice (None: random)
     share_cap: bool = False  # overlay.trust.ForwardShareLimiter on forwards (see infer.py)
+    spot_check_fraction: float = 0.0  # forwarded greedy requests re-executed here (trust.py)
+    fault: str = ""  # test-only fault injection (PREFIXMESH_FAULT; module docstring)
+    fault_prompts: tuple = ()  # lie-digest: message lists whose prefixes are falsely claimed
 
 
 def _load_or_create_identity(path: Path) -> Identity:
@@ -138,10 +162,17 @@ class Node:
             index=self.index,
             heartbeat=self.heartbeat,
             policy=self.policy,
-            settings=InferSettings(hop_budget=rc.hop_budget),
+            settings=InferSettings(hop_budget=rc.hop_budget, fault=self.options.fault),
             trust=TrustTracker(),
             share_limiter=ForwardShareLimiter() if self.options.share_cap else None,
+            spot_checker=(
+                SpotChecker(random.Random(self.options.seed),
+                            fraction=self.options.spot_check_fraction)
+                if self.options.spot_check_fraction > 0 else None
+            ),
         )
+        if self.options.fault:
+            log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", self.options.fault)
         self.ae: AntiEntropy | None = None
         self.gossip: Gossip | None = None
         self.dht = None
@@ -150,6 +181,7 @@ class Node:
         self._cancel: trio.CancelScope | None = None
         self._stopping = False
         self._written_addrs: list[str] = []
+        self._lies: list[tuple[bytes, tuple[bytes, ...]]] = []  # test-only lie-digest fault
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -190,6 +222,13 @@ class Node:
         await self.backend.load()
         for tenant in self.tenants:
             self.backend.register_namespace(tenant.name, tenant.namespace_key, tenant.ns_id)
+        if self.options.fault == "lie-digest":
+            for messages in self.options.fault_prompts:
+                tokens = await self.backend.tokenize([(r, c) for r, c in messages])
+                for tenant in self.tenants:
+                    chain = chain_hashes(tenant.namespace_key, tokens, BLOCK_TOKENS)
+                    if chain:
+                        self._lies.append((tenant.ns_id, tuple(chain)))
         try:
             async with self.host.run():
                 await self._run_services(task_status)
@@ -211,6 +250,8 @@ class Node:
             refresh_interval=min(cfg.digest.refresh_interval_s, cfg.digest.ttl_s / 2),
             addrs=self.advertised_addrs(),
         )
+        for ns, chain in self._lies:  # test-only lie-digest fault: claim, never hold
+            self.ae.local_add_prefix(ns, chain)
         self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
         self.host.set_handler(wire.PEERS_PROTOCOL, self._handle_peers)
         if opts.digest:
@@ -232,6 +273,8 @@ class Node:
         async with trio.open_nursery() as nursery:
             self._cancel = nursery.cancel_scope
             await nursery.start(self.heartbeat.run)
+            if self.infer.spot_checker is not None:
+                await nursery.start(self.infer.run_spot_checks)
             if self.gossip is not None:
                 await nursery.start(self.gossip.run)
             nursery.start_soon(bootstrap_loop, self.host, self.directory, list(cfg.node.bootstrap))
@@ -345,6 +388,11 @@ class Node:
             for k in ("records_applied", "duplicates", "gaps", "records_issued", "bytes_issued"):
                 out[f"ae_{k}"] = int(self.ae.stats[k])
         out["heartbeat_pings_answered"] = self.heartbeat.pings_answered
+        trust = self.infer.trust
+        if trust is not None:  # observed peers' trust, per mille (overlay/trust.py)
+            mono = time.monotonic()
+            for peer in sorted(trust.peers())[:32]:
+                out[f"trust_{peer_id_to_b58(peer)[-8:]}"] = round(1000 * trust.trust(peer, mono))
         return {k[: wire.MAX_SHORT_STRING]: max(0, v) for k, v in list(out.items())[:256]}
 
     async def _handle_peers(self, stream) -> None:
@@ -390,6 +438,16 @@ def run_node(config, options: NodeOptions | None = None) -> int:
     return 0
 
 
+def _fault_prompts(path: str) -> tuple:
+    """Test-only: the message lists of ``PREFIXMESH_FAULT_PROMPTS`` (module docstring)."""
+    if not path:
+        return ()
+    import json
+
+    return tuple(tuple((str(r), str(c)) for r, c in msgs)
+                 for msgs in json.loads(Path(path).read_text()))
+
+
 def main(argv: list[str] | None = None) -> int:
     from .config import load_config
 
@@ -418,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--share-cap", action="store_true",
                    help="cap any one peer's share of this node's forwards (trust.py)")
+    p.add_argument("--spot-check", type=float, default=0.0, metavar="FRACTION",
+                   help="re-execute this fraction of forwarded greedy requests (trust.py)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     a = p.parse_args(argv)
     overrides = {
@@ -446,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         sim_decode_tps=a.sim_decode_tps,
         seed=a.seed,
         share_cap=a.share_cap,
+        spot_check_fraction=a.spot_check,
+        fault=os.environ.get("PREFIXMESH_FAULT", ""),
+        fault_prompts=_fault_prompts(os.environ.get("PREFIXMESH_FAULT_PROMPTS", "")),
     )
     with contextlib.suppress(KeyboardInterrupt):
         return run_node(config, options)

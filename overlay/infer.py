@@ -51,11 +51,11 @@ from prefixmesh.node.backend import (
 
 from . import wire
 from .heartbeat import Heartbeat
-from .host import FramedStream, HostError, OverlayHost, PeerTimeout
+from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .identity import peer_id_to_b58
 from .peerindex import PeerCacheIndex
 from .routing import Candidate, Policy, RouteContext
-from .trust import ForwardShareLimiter, TrustTracker
+from .trust import MISMATCH, ForwardShareLimiter, SpotChecker, TrustTracker
 
 __all__ = ["InferSettings", "InferService", "RETRYABLE_CODES"]
 
@@ -78,7 +78,15 @@ class InferSettings:
     max_shed_candidates: int = 2  # unmatched, lightly loaded peers offered to the policy
     max_seen_ids: int = 8192  # duplicate-request-id memory
     max_open_streams: int = 256  # concurrent infer streams (incl. idle pooled ones) we accept
+    # ... and from any one remote peer: one peer cannot take all the slots (an entry node
+    # forwarding heavily holds its requests + a few pooled spares); over it: "overloaded"
+    max_streams_per_peer: int = 64
     clock_skew_s: float = 5.0
+    max_pending_spot_checks: int = 8  # queued re-executions; more are dropped and counted
+    spot_check_timeout_s: float = 120.0  # one local re-execution
+    # test-only fault injection (node/daemon.py reads PREFIXMESH_FAULT): "wrong-tokens"
+    # makes this node alter the tokens of requests it serves for other nodes
+    fault: str = ""
 
 
 class _HopFailed(Exception):
@@ -118,6 +126,23 @@ class _Diverged(Exception):
     pass
 
 
+@dataclass
+class _Observed:
+    """What one remote source returned (for spot checks): its text, token ids, FINAL."""
+
+    text: list[str]
+    ids: list[int]
+    ids_complete: bool = True  # every TOKENS frame carried the ids of its text
+    final: wire.Final | None = None
+
+
+@dataclass(frozen=True)
+class _SpotJob:
+    peer: bytes  # the next hop we forwarded to (accountable for what it returned)
+    req: wire.Request
+    observed: _Observed
+
+
 class InferService:
     def __init__(
         self,
@@ -132,6 +157,7 @@ class InferService:
         clock: Callable[[], float] = time.time,
         trust: TrustTracker | None = None,
         share_limiter: ForwardShareLimiter | None = None,
+        spot_checker: SpotChecker | None = None,
     ):
         self.host = host
         self.me = host.peer_id
@@ -148,10 +174,16 @@ class InferService:
         # optional cap on any one peer's share of our forwards (overlay/trust.py); off by
         # default in the daemon: in swarms of 2-3 nodes it halves legitimate forwarding
         self.share_limiter = share_limiter
+        # optional re-execution of forwarded greedy requests (overlay/trust.py SpotChecker);
+        # jobs queue for :meth:`run_spot_checks`, which the daemon runs in its nursery
+        self.spot_checker = spot_checker
+        self._spot_send: trio.MemorySendChannel | None = None
+        self.spot_log: list[dict] = []  # the last verdicts' evidence (bounded, newest last)
         self.closing = False
         self._inflight: set[trio.CancelScope] = set()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._open_streams = 0
+        self._streams_by_peer: dict[bytes, int] = {}
         self._rng = random.Random(int.from_bytes(os.urandom(8), "big"))
         self.stats = {
             "requests": 0,
@@ -160,6 +192,12 @@ class InferService:
             "fallbacks": 0,
             "resumed": 0,
             "errors": 0,
+            "spot_checks": 0,
+            "spot_matches": 0,
+            "spot_mismatches": 0,
+            "spot_drifts": 0,
+            "spot_dropped": 0,
+            "spot_failed": 0,
         }
 
     # --- stream handler --------------------------------------------------------------
@@ -169,11 +207,24 @@ class InferService:
         if self._open_streams >= self.settings.max_open_streams:
             await self._refuse(fs, "overloaded", "too many open request streams")
             return
+        try:
+            peer = remote_peer(stream)
+        except Exception:  # a stream object without a connection (tests): one bucket
+            peer = b""
+        if self._streams_by_peer.get(peer, 0) >= self.settings.max_streams_per_peer:
+            await self._refuse(fs, "overloaded", "too many open request streams from this peer")
+            return
         self._open_streams += 1
+        self._streams_by_peer[peer] = self._streams_by_peer.get(peer, 0) + 1
         try:
             await self._handle(fs)
         finally:
             self._open_streams -= 1
+            left = self._streams_by_peer[peer] - 1
+            if left:
+                self._streams_by_peer[peer] = left
+            else:
+                del self._streams_by_peer[peer]
 
     async def _handle(self, fs: FramedStream) -> None:
         try:
@@ -477,12 +528,16 @@ class InferService:
                     trace=hops,
                 )
                 claimed = (claims or {}).get(target, 0)
-                source = self._remote_source(target, downstream, t_recv, claimed)
+                observed = _Observed([], [])
+                source = self._remote_source(target, downstream, t_recv, claimed, observed)
                 self.stats["forwarded"] += 1
                 if self.share_limiter is not None:
                     self.share_limiter.record(target, time.monotonic())
+            sent_before = relay.sent_frames
             failure = await self._pump(relay, source)
             if failure is None:
+                if target != _LOCAL and sent_before == 0:
+                    self._maybe_spot_check(target, req, observed)
                 return
             self.stats["fallbacks"] += 1
             log.info(
@@ -580,6 +635,110 @@ class InferService:
             raise raised
         return outcome
 
+    # --- spot checks -------------------------------------------------------------------
+
+    def _maybe_spot_check(self, peer: bytes, req: wire.Request, observed: _Observed) -> None:
+        """Draw whether to re-execute a forwarded request that a peer answered in full;
+        queue the check (never awaited here: the client already has its answer)."""
+        checker = self.spot_checker
+        if checker is None or self._spot_send is None or observed.final is None:
+            return
+        est = self.index.estimate(peer)
+        peer_model = est.model if est is not None else b""
+        if not checker.should_check(temperature=req.sampling.temperature,
+                                    local_model=self.backend.model_fingerprint,
+                                    peer_model=peer_model):
+            return
+        try:
+            self._spot_send.send_nowait(_SpotJob(peer, req, observed))
+        except trio.WouldBlock:
+            self.stats["spot_dropped"] += 1
+
+    async def run_spot_checks(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run queued spot checks one at a time (the daemon starts this in its nursery).
+
+        At most ``max_pending_spot_checks`` wait; more are dropped (``spot_dropped``), so
+        checks can never pile up behind a busy engine."""
+        send, recv = trio.open_memory_channel[_SpotJob](self.settings.max_pending_spot_checks)
+        self._spot_send = send
+        task_status.started()
+        try:
+            async with recv:
+                async for job in recv:
+                    try:
+                        await self._spot_check(job)
+                    except Exception:  # a check must never take the node down
+                        self.stats["spot_failed"] += 1
+                        log.exception("spot check of %s failed", job.req.id.hex()[:8])
+        finally:
+            self._spot_send = None
+
+    async def _spot_check(self, job: _SpotJob) -> None:
+        req, observed = job.req, job.observed
+        gen_req = GenerateRequest(
+            ns=req.ns,
+            tokens=req.tokens,
+            max_tokens=req.sampling.max_tokens,
+            temperature=0.0,
+            top_p=req.sampling.top_p,
+            seed=req.sampling.seed,
+            deadline=self.clock() + self.settings.spot_check_timeout_s,
+        )
+        text: list[str] = []
+        ids: list[int] = []
+        try:
+            with trio.fail_after(self.settings.spot_check_timeout_s):
+                async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
+                    async for ev in events:
+                        if isinstance(ev, TokenChunk):
+                            text.append(ev.text)
+                            ids.extend(ev.token_ids)
+        except (BackendError, trio.TooSlowError) as exc:
+            # the engine could not re-execute (busy, deadline): no verdict either way
+            self.stats["spot_failed"] += 1
+            log.info("spot check of %s not run: %s", req.id.hex()[:8], exc)
+            return
+        assert self.spot_checker is not None
+        if observed.ids_complete and (ids or observed.ids):
+            expected, got, unit = ids, observed.ids, "token"
+        else:  # the peer sent text only (stream=False): compare code points
+            expected, got, unit = [ord(c) for c in "".join(text)], \
+                [ord(c) for c in "".join(observed.text)], "char"
+        verdict = self.spot_checker.compare(job.peer, req.id, expected, got)
+        self.stats["spot_checks"] += 1
+        self.stats[{"match": "spot_matches", "mismatch": "spot_mismatches"}.get(
+            verdict.kind, "spot_drifts")] += 1
+        before = after = None
+        if self.trust is not None:
+            before = self.trust.trust(job.peer, time.monotonic())
+            after = self.trust.observe_spot_check(job.peer, time.monotonic(), verdict)
+        serving = observed.final.serving if observed.final is not None else b""
+        evidence = {
+            "request_id": req.id.hex(),
+            "peer": peer_id_to_b58(job.peer),
+            "serving": peer_id_to_b58(serving) if serving else "",
+            "kind": verdict.kind,
+            "unit": unit,
+            "first_mismatch": verdict.first_mismatch,
+            "expected": list(verdict.expected),
+            "got": list(verdict.got),
+            "trust_before": before,
+            "trust_after": after,
+        }
+        self.spot_log.append(evidence)
+        del self.spot_log[:-64]
+        if verdict.kind == MISMATCH:
+            log.warning(
+                "spot check MISMATCH: request %s peer %s (serving %s): %s; first mismatch at "
+                "%s %s: expected %s got %s; trust %.3f -> %.3f",
+                evidence["request_id"], evidence["peer"], evidence["serving"], verdict.reason,
+                unit, verdict.first_mismatch, evidence["expected"], evidence["got"],
+                before if before is not None else -1.0, after if after is not None else -1.0,
+            )
+        else:
+            log.info("spot check %s: request %s peer %s: %s", verdict.kind,
+                     evidence["request_id"][:8], evidence["peer"][-8:], verdict.reason)
+
     def _local_source(self, req: wire.Request, t_recv: float, hops: list[wire.Hop], hop: wire.Hop):
         gen_req = GenerateRequest(
             ns=req.ns,
@@ -591,6 +750,9 @@ class InferService:
             deadline=req.deadline,
         )
 
+        # test-only fault (PREFIXMESH_FAULT=wrong-tokens): alter what we serve for others
+        corrupt = self.settings.fault == "wrong-tokens" and bool(req.trace)
+
         async def produce(out: trio.MemorySendChannel) -> None:
             ttft_ms = -1.0
             held: list[str] = []  # stream=False: the text goes in one TOKENS frame
@@ -600,6 +762,8 @@ class InferService:
                         if ttft_ms < 0:
                             ttft_ms = (time.perf_counter() - t_recv) * 1000.0
                         if isinstance(ev, TokenChunk):
+                            if corrupt:
+                                ev = TokenChunk("#" + ev.text, tuple(t + 1 for t in ev.token_ids))
                             if not req.stream:
                                 held.append(ev.text)
                                 continue
@@ -643,7 +807,8 @@ class InferService:
 
         return produce
 
-    def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float, claimed: int = 0):
+    def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float, claimed: int = 0,
+                       observed: _Observed | None = None):
         s = self.settings
 
         async def produce(out: trio.MemorySendChannel) -> None:
@@ -691,6 +856,14 @@ class InferService:
                                     ttft_ms = (time.perf_counter() - t_recv) * 1000.0
                                     # now, not earlier: see OverlayHost.take_stream
                                     self.host.refill_pool(peer, wire.INFER_PROTOCOL)
+                                if observed is not None:
+                                    if isinstance(frame, wire.Tokens):
+                                        observed.text.append(frame.text)
+                                        observed.ids.extend(frame.token_ids)
+                                        if frame.text and not frame.token_ids:
+                                            observed.ids_complete = False
+                                    elif isinstance(frame, wire.Final):
+                                        observed.final = frame
                                 if isinstance(frame, wire.Final):
                                     frame = _patch_ttft(frame, self.me, ttft_ms)
                                     if self.trust is not None and frame.serving == peer:

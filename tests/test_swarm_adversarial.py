@@ -1,0 +1,263 @@
+"""Adversarial peers with real node processes and the real model (docs/SECURITY.md).
+
+The misbehaviour is injected with the daemon's test-only ``PREFIXMESH_FAULT`` variable
+(see ``node/daemon.py``): ``wrong-tokens`` makes a node alter the tokens of requests it
+serves for other nodes. Each test shows that a defence catches it end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
+
+from prefixmesh.overlay import wire  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = (
+    "You are a storyteller. You write long, detailed stories about sailors, lighthouses, "
+    "storms, maps and distant islands, with many characters and vivid descriptions. "
+) * 8
+STORY = [("system", SYSTEM), ("user", "Tell me a long story about a lighthouse keeper.")]
+OTHER_SYSTEM = (
+    "You are a careful gardener. You explain how to grow tomatoes, beans, herbs and "
+    "flowers in small city gardens, season by season, with practical advice. "
+) * 8
+GARDEN = [("system", OTHER_SYSTEM), ("user", "How do I grow basil on a balcony?")]
+
+
+def _warm(entry, server, messages) -> None:
+    """Let ``server`` cache ``messages`` and wait until ``entry`` knows it (and sees the
+    server idle again), so that ``entry`` forwards that prompt to ``server``."""
+    wait_until(lambda: server.peer_id in {p.peer for p in peers(entry.addr).peers if p.up},
+               timeout_s=30, what=f"{entry.name} to see {server.name}")
+    before = {p.peer: p for p in peers(entry.addr).peers}[server.peer_id].n_hashes
+    first = ask(server.addr, messages, max_tokens=2, hop_budget=0)
+    assert first.final.serving == server.peer_id
+
+    def knows():
+        info = {p.peer: p for p in peers(entry.addr).peers}.get(server.peer_id)
+        return info is not None and info.up and \
+            info.n_hashes >= before + first.final.prompt_tokens // 16 - 1
+
+    wait_until(knows, timeout_s=30, what=f"{entry.name} to learn {server.name}'s prefix")
+    time.sleep(1.0)  # heartbeats report the server idle again (load steers routing too)
+
+
+def _stats(node) -> dict[str, int]:
+    return dict(peers(node.addr).stats)
+
+
+def test_wrong_tokens_are_caught_by_spot_checks(tmp_path, monkeypatch):
+    with Swarm(tmp_path) as s:
+        a = s.add("A", extra=["--spot-check", "1.0"])
+        monkeypatch.setenv("PREFIXMESH_FAULT", "wrong-tokens")
+        b = s.add("B", bootstrap=[a.addr])  # the liar
+        monkeypatch.delenv("PREFIXMESH_FAULT")
+        c = s.add("C", bootstrap=[a.addr])  # honest
+        trust_b, trust_c = f"trust_{b.peer_b58[-8:]}", f"trust_{c.peer_b58[-8:]}"
+
+        # honest control: C's answers are checked and match; its trust does not drop
+        _warm(a, c, GARDEN)
+        honest = ask(a.addr, GARDEN, max_tokens=8)
+        assert honest.final.serving == c.peer_id
+        stats = wait_until(lambda: (st := _stats(a)).get("infer_spot_checks", 0) >= 1 and st,
+                           timeout_s=120, what="A to spot-check C's answer")
+        assert stats["infer_spot_matches"] == 1 and stats["infer_spot_mismatches"] == 0
+        assert stats[trust_c] >= 800
+
+        # the faulty node: its answer reaches the client (checks never delay it), is
+        # re-executed at A afterwards, and the mismatch sinks B's trust under the floor
+        _warm(a, b, STORY)
+        bad = ask(a.addr, STORY, max_tokens=8)
+        assert bad.final.serving == b.peer_id
+        assert bad.text.startswith("#")  # the fault is really active
+        stats = wait_until(
+            lambda: (st := _stats(a)).get("infer_spot_mismatches", 0) >= 1 and st,
+            timeout_s=120, what="A to catch B with a spot check")
+        assert stats["infer_spot_checks"] == 2
+        assert stats[trust_b] < 200  # RoutingConfig.trust_floor is 0.2
+        assert stats[trust_c] >= 800
+        log = a.log_tail(200_000)
+        line = next(ln for ln in log.splitlines() if "spot check MISMATCH" in ln)
+        assert bad.final.id.hex() in line and b.peer_b58 in line
+        assert "first mismatch at token 0" in line
+
+        # afterwards B is no longer routed to, and the answer is the correct greedy text
+        reference = ask(c.addr, STORY, max_tokens=8, hop_budget=0)
+        after = ask(a.addr, STORY, max_tokens=8)
+        assert after.final.serving != b.peer_id
+        assert after.text == reference.text
+        assert not reference.text.startswith("#")
+
+
+def _liar_prompt(i: int) -> list[tuple[str, str]]:
+    # distinct from the first block on: nobody can hold another request's prefix
+    return [("system", f"Logbook entry {i}, harbour {i * 7 % 13}. " + SYSTEM),
+            ("user", f"Tell me story number {i} about the lighthouse keeper.")]
+
+
+def _forwarded_to(answer, entry, peer) -> bool:
+    return any(h.peer == entry.peer_id and h.next_peer == peer.peer_id
+               and h.action in ("forward", "fallback") for h in answer.final.hops)
+
+
+N_REQUESTS = 24
+
+
+def test_lying_digest_peer_loses_its_share_and_answers_stay_correct(tmp_path, monkeypatch):
+    n_prompts = N_REQUESTS
+    prompts = [_liar_prompt(i) for i in range(n_prompts)]
+    lies = tmp_path / "lies.json"
+    lies.write_text(json.dumps(prompts))
+    with Swarm(tmp_path) as s:
+        a = s.add("A", extra=["--share-cap"])
+        b = s.add("B", bootstrap=[a.addr])
+        c = s.add("C", bootstrap=[a.addr])
+        monkeypatch.setenv("PREFIXMESH_FAULT", "lie-digest")
+        monkeypatch.setenv("PREFIXMESH_FAULT_PROMPTS", str(lies))
+        d = s.add("D", bootstrap=[a.addr])  # claims every prompt's prefix, holds none
+        monkeypatch.delenv("PREFIXMESH_FAULT")
+        monkeypatch.delenv("PREFIXMESH_FAULT_PROMPTS")
+        trust_d = f"trust_{d.peer_b58[-8:]}"
+
+        def ready():
+            info = {p.peer: p for p in peers(a.addr).peers}
+            return all(n.peer_id in info and info[n.peer_id].up for n in (b, c, d)) and \
+                info[d.peer_id].n_hashes >= n_prompts * 10
+
+        wait_until(ready, timeout_s=60, what="A to see B, C, D and D's (false) digest")
+
+        # the liar's claim is the longest, so it attracts requests at first; every forward
+        # to it is a full miss (it holds nothing): trust falls 12 % per miss (under the 0.2
+        # floor after 11), and the share cap allows it at most half of A's forwards
+        answers = [ask(a.addr, p, max_tokens=4) for p in prompts]
+        to_liar = [_forwarded_to(ans, a, d) for ans in answers]
+        pattern = "".join("L" if x else "." for x in to_liar)
+        forwards = sum(any(h.peer == a.peer_id and h.action in ("forward", "fallback")
+                           for h in ans.final.hops) for ans in answers)
+        print(f"liar forwards: {pattern} ({sum(to_liar)} of {forwards} forwards)")
+        assert 1 <= sum(to_liar) <= 11, pattern  # the trust floor bounds it
+        assert sum(to_liar) <= max(10, forwards / 2), (pattern, forwards)  # the share cap
+        late = to_liar[N_REQUESTS // 2 :]
+        assert sum(late) / len(late) < 0.5, pattern  # in the second half, under the cap
+        assert _stats(a)[trust_d] < 400, pattern
+
+        # every answer is the model's greedy output: compare with a cold, isolated node
+        e = s.add("E", digest=False)
+        for prompt, ans in zip(prompts, answers, strict=True):
+            reference = ask(e.addr, prompt, max_tokens=4, hop_budget=0)
+            assert ans.text == reference.text, (prompt[1], ans.text, reference.text)
+
+
+N_FAULT_REQUESTS = 100
+FAULT_CONCURRENCY = 4
+FAULT_DEADLINE_S = 30.0
+
+
+def test_hundred_requests_survive_a_kill_and_a_freeze(tmp_path):
+    """100 short requests, 4 at a time, through a 4-node swarm; one serving node is
+    ``kill -9``ed after 30 and another SIGSTOPped after 60: every request ends with an
+    answer or a clear ERROR frame within its deadline (none lost, none hung)."""
+    from prefixmesh.node.client import Client, RequestFailed
+
+    with Swarm(tmp_path) as s:
+        a = s.add("A")
+        b = s.add("B", bootstrap=[a.addr])
+        c = s.add("C", bootstrap=[a.addr])
+        d = s.add("D", bootstrap=[a.addr])
+        _warm(a, b, STORY)  # B and C hold the shared prefix: A forwards to them
+        _warm(a, c, STORY)
+        wait_until(lambda: d.peer_id in {p.peer for p in peers(a.addr).peers if p.up},
+                   timeout_s=30, what="A to see D")
+        outcomes: list[tuple[int, str, str, float]] = []  # (i, kind, serving/code, seconds)
+        started = {"n": 0}
+        messages_of_errors: list[str] = []
+
+        async def one(i: int, limiter: trio.CapacityLimiter) -> None:
+            async with limiter:
+                started["n"] += 1
+                if started["n"] == 31:
+                    b.kill()
+                if started["n"] == 61:
+                    c.send_signal(signal.SIGSTOP)
+                messages = [("system", SYSTEM), ("user", f"Give me a one-word name number {i}.")]
+                t0 = time.monotonic()
+                try:
+                    async with Client.connect(a.addr) as client:
+                        ans = await client.ask(messages, max_tokens=4,
+                                               deadline_s=FAULT_DEADLINE_S)
+                    outcomes.append((i, "answer", ans.final.serving.hex(),
+                                     time.monotonic() - t0))
+                except RequestFailed as exc:
+                    outcomes.append((i, "error", exc.code, time.monotonic() - t0))
+                    messages_of_errors.append(f"{i}: {exc.code}: {exc}")
+
+        async def main() -> None:
+            limiter = trio.CapacityLimiter(FAULT_CONCURRENCY)
+            async with trio.open_nursery() as nursery:
+                for i in range(N_FAULT_REQUESTS):
+                    nursery.start_soon(one, i, limiter)
+
+        try:
+            trio.run(main)
+        finally:
+            c.send_signal(signal.SIGCONT)
+        answered = [o for o in outcomes if o[1] == "answer"]
+        errors = [o for o in outcomes if o[1] == "error"]
+        served_by = {
+            name: sum(o[2] == n.peer_id.hex() for o in answered)
+            for name, n in (("A", a), ("B", b), ("C", c), ("D", d))
+        }
+        print(f"answered {len(answered)}, errors {messages_of_errors}, "
+              f"served by {served_by}, slowest {max(o[3] for o in outcomes):.1f} s")
+        assert sorted(o[0] for o in outcomes) == list(range(N_FAULT_REQUESTS))  # none lost
+        assert all(o[3] <= FAULT_DEADLINE_S + 5.0 for o in outcomes)  # none hung
+        # errors are allowed, as clear ERROR frames (RequestFailed with a code); a valid
+        # request should rarely need one: at most a few around the faults
+        assert len(errors) <= 5, (messages_of_errors, s.logs())
+        assert b.proc.poll() is not None  # really killed
+        assert served_by["B"] + served_by["C"] >= 1  # the faulty nodes were really in use
+
+
+def test_one_peer_cannot_hold_more_than_its_share_of_infer_streams(tmp_path):
+    """A peer that opens many infer streams and sends nothing gets ``overloaded`` past
+    ``InferSettings.max_streams_per_peer`` (64); other clients are still served."""
+    from prefixmesh.node.client import Client
+    from prefixmesh.overlay.host import FramedStream
+    from prefixmesh.overlay.infer import InferSettings
+
+    limit = InferSettings().max_streams_per_peer
+    with Swarm(tmp_path) as s:
+        a = s.add("A", backend="sim", digest=False)
+
+        async def main():
+            async with Client.connect(a.addr) as greedy:
+                idle = [await greedy.host.open_stream(a.peer_id, wire.INFER_PROTOCOL, 10.0)
+                        for _ in range(limit)]
+                extra = FramedStream(
+                    await greedy.host.open_stream(a.peer_id, wire.INFER_PROTOCOL, 10.0),
+                    timeout_s=10.0)
+                refused = await extra.receive()
+                async with Client.connect(a.addr) as other:  # another peer: still served
+                    answer = await other.ask([("user", "hello")], max_tokens=2)
+                for st in idle:
+                    await FramedStream(st, timeout_s=5.0).close()
+                await trio.sleep(0.5)
+                again = await greedy.ask([("user", "hello")], max_tokens=2)  # slots freed
+                return refused, answer, again
+
+        refused, answer, again = trio.run(main)
+        assert isinstance(refused, wire.Error) and refused.code == "overloaded", refused
+        assert "this peer" in refused.message
+        assert answer.final.serving == a.peer_id
+        assert again.final.serving == a.peer_id
