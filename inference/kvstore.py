@@ -354,7 +354,7 @@ class KVStore:
             os.replace(tmp_name, path)
             tmp_name = None
             if self._fsync:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
         except OSError as exc:
             log.warning("could not write KV state file %s: %s", path, exc)
             self.stats.disk_write_errors += 1
@@ -634,7 +634,8 @@ class KVStore:
             assert sum(p.stat().st_size for p in files) == self._disk.used_bytes
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (best effort: some filesystems refuse)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

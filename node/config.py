@@ -222,7 +222,8 @@ def _unspecified(host: str) -> bool:
         return False
 
 
-def _loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP literal (the one check config and gateway share)."""
     if host == "localhost":
         return True
     try:
@@ -750,7 +751,7 @@ def _check_cross(cfg: Config, where: Callable[[str], str]) -> None:
         )
     if cfg.http.listen:
         host, _port = _split_host_port(cfg.http.listen)
-        if host is not None and not _loopback(host) and not (cfg.http.api_key or cfg.http.keys):
+        if host is not None and not is_loopback_host(host) and not (cfg.http.api_key or cfg.http.keys):
             raise ConfigError(
                 where("http.listen"),
                 f'"{cfg.http.listen}" is reachable from other machines; set [http].api_key '

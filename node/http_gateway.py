@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -75,6 +74,7 @@ import trio
 
 from prefixmesh.overlay import wire
 
+from .config import is_loopback_host
 from .openai_schema import (
     MAX_BODY_BYTES,
     SSE_DONE,
@@ -176,21 +176,12 @@ def _split_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(settings: GatewaySettings) -> None:
     """Refuse a gateway reachable from other machines without an API key."""
     host, port = _split_listen(settings.listen)
     if not 0 <= port <= 65535:
         raise GatewayConfigError(f'"{settings.listen}": port out of range')
-    if not _is_loopback(host) and not settings.api_keys:
+    if not is_loopback_host(host) and not settings.api_keys:
         raise GatewayConfigError(
             f'HTTP gateway on "{settings.listen}" is reachable from other machines; '
             "set [http].api_key (or bind to 127.0.0.1)")
