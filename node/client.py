@@ -319,25 +319,46 @@ def turn_stats(final: wire.Final, ttft_s: float, total_s: float, cls):
     )
 
 
-def _local_node_addr(cfg: Any) -> str:
+def _local_node_addr(cfg: Any) -> str | None:
+    """The first address in the local node's address file, or None if there is none."""
     path = Path(cfg.node.cache_dir) / LOCAL_NODE_FILE
     try:
         lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
     except OSError:
+        return None
+    return lines[0] if lines else None
+
+
+async def resolve_client_peer(cfg: Any, *, mdns_timeout_s: float = 3.0) -> str:
+    """Where a CLI client connects: ``[client].peer`` (``--peer``), else the local node's
+    address file, else the first node that answers on the LAN over mDNS."""
+    addr = cfg.client.peer or _local_node_addr(cfg)
+    if addr:
+        return addr
+    from prefixmesh.overlay.discovery import find_lan_nodes
+
+    try:
+        lan = await find_lan_nodes(mdns_timeout_s)
+    except Exception as exc:  # no multicast here, zeroconf unavailable, ...
+        lan = []
+        reason = f" (mDNS failed: {exc})"
+    else:
+        reason = ""
+    if not lan:
         raise ConnectFailed(
-            f"no --peer given and no local node found ({path} missing): start "
+            f"no --peer given, no local node ({Path(cfg.node.cache_dir) / LOCAL_NODE_FILE} "
+            f"missing) and no node answered on the LAN over mDNS{reason}: start "
             "`prefixmesh node` or pass --peer /ip4/.../tcp/.../p2p/ID"
-        ) from None
-    if not lines:
-        raise ConnectFailed(f"{path} lists no address")
-    return lines[0]
+        )
+    return lan[0]
 
 
 @contextlib.asynccontextmanager
 async def open_client_for_cli(cfg: Any) -> AsyncIterator[Client]:
-    """The client for ``prefixmesh chat/ask/peers``: connects to ``[client].peer`` (or
-    the local node's address file) and binds the configured tenant."""
-    addr = cfg.client.peer or _local_node_addr(cfg)
+    """The client for ``prefixmesh chat/ask/peers``: connects to ``[client].peer``, the
+    local node's address file, or a node found over mDNS, and binds the configured
+    tenant."""
+    addr = await resolve_client_peer(cfg)
     spec = cfg.tenant(cfg.client.tenant) if hasattr(cfg, "tenant") else None
     async with Client.connect(addr) as client:
         original = client.chat_send

@@ -21,6 +21,7 @@ or not TCP multiaddrs are ignored.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,15 @@ import trio
 from .host import HostError, OverlayHost, split_p2p_addr
 from .identity import peer_id_to_b58
 
-__all__ = ["KnownPeer", "PeerDirectory", "bootstrap_loop", "MAX_PEERS", "MAX_ADDRS_PER_PEER"]
+__all__ = [
+    "KnownPeer",
+    "PeerDirectory",
+    "bootstrap_loop",
+    "browse_mdns",
+    "find_lan_nodes",
+    "MAX_PEERS",
+    "MAX_ADDRS_PER_PEER",
+]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +138,68 @@ async def bootstrap_loop(
 
 
 # --- mDNS ---------------------------------------------------------------------------------
+
+
+MDNS_SERVICE_TYPE = "_p2p._udp.local."  # what py-libp2p's MDNSDiscovery announces
+_MAX_LAN_ADDRS = 64
+_MAX_ADDR_CHARS = 256
+
+
+def browse_mdns(timeout_s: float = 3.0, *, service_type: str = MDNS_SERVICE_TYPE) -> list[str]:
+    """Full multiaddrs (``.../p2p/ID``) that libp2p nodes on the LAN announce over mDNS.
+
+    Blocking (zeroconf runs its own thread); a light client uses it through
+    :func:`find_lan_nodes`. It only *browses*: a client serves nothing, so unlike
+    :class:`MdnsDiscovery` it announces nothing. Returns as soon as one node answered, or
+    an empty list after ``timeout_s``. TXT values are untrusted input: only bounded,
+    dialable ``/ip4|/ip6 .../tcp/N/p2p/ID`` strings are kept (the Noise handshake then
+    proves the peer id).
+    """
+    from zeroconf import ServiceBrowser, ServiceListener, Zeroconf
+
+    found: list[str] = []
+    lock = threading.Lock()
+    answered = threading.Event()
+
+    class _Listener(ServiceListener):
+        def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+            info = zc.get_service_info(type_, name, timeout=1500)
+            if info is None:
+                return
+            for key, value in (info.properties or {}).items():
+                if not (isinstance(key, bytes) and key.startswith(b"dnsaddr") and value):
+                    continue
+                addr = value.decode("utf-8", "replace")
+                if (len(addr) <= _MAX_ADDR_CHARS and "/p2p/" in addr and "/tcp/" in addr
+                        and addr.startswith(("/ip4/", "/ip6/"))
+                        and not addr.startswith(("/ip4/0.0.0.0/", "/ip6/::/"))):
+                    with lock:
+                        if len(found) < _MAX_LAN_ADDRS:
+                            found.append(addr)
+                    answered.set()
+
+        def update_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+            self.add_service(zc, type_, name)
+
+        def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
+            pass
+
+    zc = Zeroconf()
+    try:
+        browser = ServiceBrowser(zc, service_type, _Listener())
+        try:
+            answered.wait(timeout_s)
+        finally:
+            browser.cancel()
+    finally:
+        zc.close()
+    with lock:
+        return sorted(set(found))
+
+
+async def find_lan_nodes(timeout_s: float = 3.0) -> list[str]:
+    """:func:`browse_mdns` from trio (in a worker thread, abandoned if cancelled)."""
+    return await trio.to_thread.run_sync(lambda: browse_mdns(timeout_s), abandon_on_cancel=True)
 
 
 class MdnsDiscovery:
