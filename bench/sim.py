@@ -89,12 +89,9 @@ from prefixmesh.overlay.peerindex import PeerCacheIndex
 from prefixmesh.overlay.routing import (
     FORWARD,
     Candidate,
-    PlacementLedger,
-    RentLedger,
-    RouteContext,
+    RouterMemory,
     RoutingConfig,
     make_policy,
-    rent_key,
 )
 
 from . import gossip as _gossip
@@ -232,7 +229,7 @@ class _Node:
     __slots__ = (
         "idx", "ident", "pid", "ae", "index", "policy", "tree", "queue", "busy", "busy_until",
         "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "known", "trust",
-        "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent", "placements",
+        "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent", "placements", "memory",
     )  # fmt: skip
 
 
@@ -354,8 +351,13 @@ class Simulator:
         n.rr_entry = 0
         n.current = None
         n.fwd_log = {}
-        n.rent = RentLedger()
-        n.placements = PlacementLedger(self.routing.placement_tau_s)
+        n.memory = RouterMemory(
+            n.pid,
+            enabled=self.cfg.policy == "prefixmesh",
+            placement_tau_s=self.routing.placement_tau_s,
+        )
+        n.rent = n.memory.rent  # the ledgers, for reports and tests
+        n.placements = n.memory.placements
         self.by_pid[n.pid] = i
         return n
 
@@ -467,31 +469,22 @@ class Simulator:
                 candidates = self._index_candidates(node, chain, sr.visited)
             elif policy_name == "oracle":
                 candidates = self._oracle_candidates(node, chain)
-        ledgers = policy_name == "prefixmesh"
-        if ledgers and sr.hops:
-            node.placements.record_inbound(self.now)
-        key = rent_key(chain, candidates) if ledgers else None
-        ctx = RouteContext(
+        _, decision = node.memory.decide(
+            node.policy,
+            now=self.now,
+            chain=chain,
             prompt_tokens=n_tok,
             local_matched_tokens=local_matched,
             local_prefill_tps=cfg.prefill_tps,
             local_queue_wait_s=local_wait,
             local_load=local_load,
-            candidates=tuple(candidates),
+            candidates=candidates,
             hop_budget=hop_budget,
             visited=sr.visited,
-            first_block=chain[0] if chain else None,
             all_peers=self.all_pids if policy_name in _PICK_ONE else (),
-            rent_paid_s=node.rent.paid(key, self.now),
-            recent_placed_total=node.placements.total(self.now) if ledgers else 0.0,
-            recent_placed_local=node.placements.recent(node.pid, self.now) if ledgers else 0.0,
-            recent_forwarded_in=node.placements.inbound(self.now) if ledgers else 0.0,
-            n_nodes=len(node.known) + 1 if ledgers else 0,
+            n_nodes=len(node.known) + 1,
+            forwarded_in=sr.hops > 0,
         )
-        decision = node.policy.decide(ctx)
-        if ledgers:
-            node.rent.observe(key, ctx, decision, self.now)
-            node.placements.record(decision.peer or node.pid, self.now)
         if decision.action == FORWARD and decision.peer is not None:
             target = self.by_pid[decision.peer]
             est = next((c.matched_tokens for c in candidates if c.peer == decision.peer), 0)
@@ -554,7 +547,6 @@ class Simulator:
             load=load,
             rtt_s=self.rtt_s,
             trust=node.trust.get(peer, 1.0),
-            recent_placed=node.placements.recent(peer, self.now),
         )
 
     def _oracle_candidates(self, node: _Node, chain: list[bytes]) -> list[Candidate]:

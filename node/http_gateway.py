@@ -708,6 +708,7 @@ def route_json(final) -> dict[str, Any]:
 
 _WIRE_ERRORS: dict[str, type[ApiError]] = {
     "bad_request": BadRequest,
+    "duplicate": BadRequest,
     "unauthorized": Unauthorized,
     "unknown_namespace": NotFound,
     "overloaded": NoCapacity,

@@ -236,6 +236,26 @@ class OverlayHost:
     def is_connected(self, peer: bytes) -> bool:
         return ID(peer) in self.libp2p.get_network().connections
 
+    def remote_addrs(self, peer: bytes) -> list[str]:
+        """``/ip4|ip6/<ip>/tcp/<port>`` of our live connections to ``peer``, as the
+        transport saw them: where the peer really is, not what its records claim."""
+        out: list[str] = []
+        try:
+            conns = self.libp2p.get_network().get_connections(ID(peer))
+        except Exception:  # an id the swarm cannot even parse: no live connection
+            return out
+        for conn in conns:
+            try:
+                got = conn.muxed_conn.get_remote_address()
+            except Exception:  # a connection closing under us
+                continue
+            if not got:
+                continue
+            host, port = got[0], got[1]
+            proto = "ip6" if ":" in host else "ip4"
+            out.append(f"/{proto}/{host}/tcp/{port}")
+        return out
+
     def connected_peers(self) -> list[bytes]:
         return [p.to_bytes() for p in self.libp2p.get_connected_peers()]
 

@@ -4,7 +4,9 @@ Every node on a request's path decides for itself (no coordinator):
 
 1. check the request (deadline, loop, duplicate id, namespace credential);
 2. turn messages into prompt token ids once (the entry node; later hops get token ids);
-3. build a :class:`~prefixmesh.overlay.routing.RouteContext` from its own radix-tree
+3. build a :class:`~prefixmesh.overlay.routing.RouteContext` (through the node's
+   :class:`~prefixmesh.overlay.routing.RouterMemory`: ski-rental rent and smoothed
+   placements, the same code the simulator drives) from its own radix-tree
    match (``backend.match_length``), the :class:`PeerCacheIndex` estimates for the
    request's chained block hashes, load figures (digests, fresher PONGs), heartbeat RTTs,
    the hop budget and the visited set, and ask the policy;
@@ -54,16 +56,25 @@ from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .identity import peer_id_to_b58
 from .peerindex import PeerCacheIndex
-from .routing import Candidate, Policy, RouteContext
-from .trust import MISMATCH, ForwardShareLimiter, SpotChecker, TrustTracker
+from .routing import Candidate, Policy, RouterMemory
+from .trust import (
+    MISMATCH,
+    ForwardShareLimiter,
+    PeerRateLimiter,
+    SpotChecker,
+    SubnetLimiter,
+    TrustTracker,
+)
 
 __all__ = ["InferSettings", "InferService", "RETRYABLE_CODES"]
 
 log = logging.getLogger(__name__)
 
-#: ERROR codes from a next hop after which another node may still succeed
+#: ERROR codes from a next hop after which another node may still succeed ("duplicate":
+#: that node is already handling this request id, e.g. it got the first attempt of a
+#: fallback through another path; another node, or this one, can still serve it)
 RETRYABLE_CODES = frozenset(
-    {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed"}
+    {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed", "duplicate"}
 )
 _LOCAL = b""  # sentinel target: serve here
 
@@ -81,6 +92,13 @@ class InferSettings:
     # ... and from any one remote peer: one peer cannot take all the slots (an entry node
     # forwarding heavily holds its requests + a few pooled spares); over it: "overloaded"
     max_streams_per_peer: int = 64
+    # requests any one remote peer may send (token bucket: rate per second, burst); over
+    # it: "overloaded" with a retry-after hint. Generous: a CPU node serves a few per second
+    peer_request_rate: float = 50.0
+    peer_request_burst: float = 100.0
+    # Sybil basics: at most this many candidates per /24 (IPv4) or /48 (IPv6) subnet, by
+    # the address of our live connection to the peer (not what it claims); 0 turns it off
+    max_peers_per_subnet: int = 4
     clock_skew_s: float = 5.0
     max_pending_spot_checks: int = 8  # queued re-executions; more are dropped and counted
     spot_check_timeout_s: float = 120.0  # one local re-execution
@@ -168,6 +186,20 @@ class InferService:
         self.policy = policy
         self.settings = settings or InferSettings()
         self.clock = clock
+        # ski-rental rent per prefix and smoothed placements (overlay/routing.py), the
+        # same RouterMemory the simulator drives; only the prefixmesh policy uses them
+        self.memory = RouterMemory(
+            self.me,
+            enabled=getattr(policy, "name", "") == "prefixmesh",
+            placement_tau_s=getattr(getattr(policy, "config", None), "placement_tau_s", 30.0),
+        )
+        s = self.settings
+        self._request_limiter = PeerRateLimiter(s.peer_request_rate, s.peer_request_burst)
+        self._subnets = (
+            SubnetLimiter(max_per_subnet=s.max_peers_per_subnet)
+            if s.max_peers_per_subnet > 0
+            else None
+        )
         # observed honesty of next hops (overlay/trust.py): discounts their claimed cache
         # in routing; fed with FINAL frames (claimed vs reused tokens) and hop failures
         self.trust = trust
@@ -198,6 +230,9 @@ class InferService:
             "spot_drifts": 0,
             "spot_dropped": 0,
             "spot_failed": 0,
+            "rate_limited": 0,
+            "subnet_limited": 0,
+            "duplicates": 0,
         }
 
     # --- stream handler --------------------------------------------------------------
@@ -217,7 +252,7 @@ class InferService:
         self._open_streams += 1
         self._streams_by_peer[peer] = self._streams_by_peer.get(peer, 0) + 1
         try:
-            await self._handle(fs)
+            await self._handle(fs, peer)
         finally:
             self._open_streams -= 1
             left = self._streams_by_peer[peer] - 1
@@ -226,7 +261,7 @@ class InferService:
             else:
                 del self._streams_by_peer[peer]
 
-    async def _handle(self, fs: FramedStream) -> None:
+    async def _handle(self, fs: FramedStream, peer: bytes) -> None:
         try:
             # a pooled stream (host.take_stream) may idle up to POOL_MAX_IDLE_S first
             frame = await fs.receive(timeout_s=self.host.POOL_MAX_IDLE_S + 15.0)
@@ -242,6 +277,14 @@ class InferService:
             return
         if not isinstance(frame, wire.Request):
             await self._refuse(fs, "bad_request", "expected a REQUEST frame")
+            return
+        now_m = time.monotonic()
+        if not self._request_limiter.allow(peer, now_m):
+            self.stats["rate_limited"] += 1
+            wait = self._request_limiter.retry_after_s(peer, now_m)
+            await self._refuse(
+                fs, "overloaded", f"request rate limit for this peer: retry in {wait:.2f} s"
+            )
             return
         state = wire.InferStreamState()
         state.request_received(frame)
@@ -293,7 +336,10 @@ class InferService:
         elif self.me in req.visited:
             error = ("bad_request", "request already visited this node (loop)")
         elif req.id in self._seen:
-            error = ("bad_request", "duplicate request id")
+            # a resend (a fallback that reached us by another path, or a replay): the
+            # sender may try elsewhere; serving it twice could double-charge a tenant
+            error = ("duplicate", "this node already handled a request with this id")
+            self.stats["duplicates"] += 1
         if error is not None:
             self.stats["errors"] += 1
             await emit(wire.Error(*error))
@@ -381,7 +427,7 @@ class InferService:
             # candidates that may, longest estimated match first
             ranked = sorted(ctx.candidates, key=lambda c: (-c.matched_tokens, c.load, c.peer))
             targets += [c.peer for c in ranked if c.peer not in targets][: 4]
-        claims = {c.peer: c.matched_tokens for c in ctx.candidates}
+        claims = {c.peer: c for c in ctx.candidates}
         await self._run_targets(req, relay, t_recv, targets, decision, hop_base, claims)
 
     async def _decide(self, req: wire.Request, tenant):
@@ -434,6 +480,15 @@ class InferService:
         )
         for peer in unmatched[: self.settings.max_shed_candidates]:
             candidates.append(candidate(peer, 0))
+        if self._subnets is not None and candidates:
+            # Sybil basics: many identities behind one subnet count as few candidates;
+            # the most trusted, longest claims of each subnet are kept
+            ranked = sorted(candidates, key=lambda c: (-c.trust, -c.matched_tokens, c.peer))
+            kept = self._subnets.select((c, self.host.remote_addrs(c.peer)) for c in ranked)
+            if len(kept) < len(candidates):
+                self.stats["subnet_limited"] += len(candidates) - len(kept)
+                keep = {c.peer for c in kept}
+                candidates = [c for c in candidates if c.peer in keep]
         local_tps = load.prefill_tps
         if not load.prefill_measured:
             # not measured here yet: a default would make the comparison with peers'
@@ -441,19 +496,22 @@ class InferService:
             rates = sorted(c.prefill_tps for c in candidates if c.prefill_tps > 0)
             if rates:
                 local_tps = rates[len(rates) // 2]
-        ctx = RouteContext(
+        ctx, decision = self.memory.decide(
+            self.policy,
+            now=time.monotonic(),
+            chain=chain,
             prompt_tokens=len(req.tokens),
             local_matched_tokens=min(local_matched, len(req.tokens)),
             local_prefill_tps=max(local_tps, 1.0),
             local_queue_wait_s=local_wait,
             local_load=float(load.queue_depth + load.active),
-            candidates=tuple(candidates),
+            candidates=candidates,
             hop_budget=req.hop_budget,
             visited=visited,
-            first_block=chain[0] if chain else None,
             all_peers=tuple(sorted(all_peers)),
+            n_nodes=len(all_peers) + 1,
+            forwarded_in=bool(req.trace),
         )
-        decision = self.policy.decide(ctx)
         hop_base = wire.Hop(
             peer=self.me,
             action="serve",
@@ -486,7 +544,7 @@ class InferService:
         await self._run_targets(req, relay, t_recv, holders[:4], decision, hop)
 
     async def _run_targets(self, req, relay: _Relay, t_recv, targets, decision, hop_base,
-                           claims: dict[bytes, int] | None = None) -> None:
+                           claims: dict[bytes, Candidate] | None = None) -> None:
         extra_hops: list[wire.Hop] = []
         failure: str | None = None
         failed: list[bytes] = []
@@ -527,7 +585,7 @@ class InferService:
                     visited=tuple(dict.fromkeys(visited)),
                     trace=hops,
                 )
-                claimed = (claims or {}).get(target, 0)
+                claimed = (claims or {}).get(target)
                 observed = _Observed([], [])
                 source = self._remote_source(target, downstream, t_recv, claimed, observed)
                 self.stats["forwarded"] += 1
@@ -807,8 +865,8 @@ class InferService:
 
         return produce
 
-    def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float, claimed: int = 0,
-                       observed: _Observed | None = None):
+    def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float,
+                       claimed: Candidate | None = None, observed: _Observed | None = None):
         s = self.settings
 
         async def produce(out: trio.MemorySendChannel) -> None:
@@ -867,9 +925,7 @@ class InferService:
                                 if isinstance(frame, wire.Final):
                                     frame = _patch_ttft(frame, self.me, ttft_ms)
                                     if self.trust is not None and frame.serving == peer:
-                                        self.trust.observe_cache(
-                                            peer, time.monotonic(), claimed_tokens=claimed,
-                                            cached_tokens=frame.cached_tokens)
+                                        self._observe_final(peer, claimed, frame)
                                 if isinstance(frame, wire.End):
                                     break
                                 await out.send(frame)
@@ -909,6 +965,26 @@ class InferService:
                         await fs.reset()
 
         return produce
+
+
+    def _observe_final(self, peer: bytes, claimed: Candidate | None, final: wire.Final) -> None:
+        """Trust rules (a) and (c) for a peer that served what we forwarded: did it reuse
+        the cache it claimed, and does its prefill time fit the rate it advertises?"""
+        assert self.trust is not None
+        now = time.monotonic()
+        self.trust.observe_cache(
+            peer, now, claimed_tokens=claimed.matched_tokens if claimed else 0,
+            cached_tokens=final.cached_tokens)
+        if claimed is None or claimed.prefill_tps <= 0 or final.ttft_ms < 0:
+            return
+        # its TTFT counts from its receipt of the request: minus the queue wait it
+        # advertised, the rest is restore + prefill (the generous ratio in TrustConfig
+        # absorbs a stale queue figure)
+        prefill_s = max(0.0, final.ttft_ms / 1000.0 - claimed.queue_wait_s)
+        self.trust.observe_capacity(
+            peer, now, claimed_prefill_tps=claimed.prefill_tps,
+            uncached_tokens=max(0, final.prompt_tokens - final.cached_tokens),
+            prefill_s=prefill_s)
 
 
 @contextlib.asynccontextmanager

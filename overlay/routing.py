@@ -100,7 +100,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 __all__ = [
@@ -117,6 +117,7 @@ __all__ = [
     "PlacementLedger",
     "Policy",
     "RentLedger",
+    "RouterMemory",
     "RouteContext",
     "RoutingConfig",
     "RoutingError",
@@ -578,6 +579,112 @@ class PlacementLedger:
         while len(self._counts) > self.max_entries:
             self._counts.popitem(last=False)
         self._total = (self.total(at) + 1.0, at)
+
+
+
+class RouterMemory:
+    """What one router remembers between decisions, and the one way to decide with it.
+
+    The node (``overlay/infer.py``) and the simulator (``bench/sim.py``) both route
+    through :meth:`decide`, so the call sequence below exists once:
+
+    1. a request a peer forwarded here is counted (``PlacementLedger.record_inbound``)
+       *before* deciding on it: it is what makes this node "hot" (shedding);
+    2. every candidate gets ``recent_placed`` (this router's decayed placements there);
+    3. the rent key is the chain hash at the deepest block any candidate claims, and
+       the context carries the rent already paid for it plus the placement totals;
+    4. after the policy decided, the rent ledger books the decision (pay one RTT for a
+       cache-driven forward, settle on serving here) and the chosen node (or this one)
+       is recorded as a placement.
+
+    ``enabled=False`` (baseline policies, or a caller without ledgers) builds the same
+    context with every ledger field 0, which switches the rules off.
+    """
+
+    def __init__(
+        self,
+        self_id: bytes,
+        *,
+        enabled: bool = True,
+        placement_tau_s: float = DEFAULT_PLACEMENT_TAU_S,
+        max_entries: int = DEFAULT_LEDGER_ENTRIES,
+        block_tokens: int = 16,
+    ) -> None:
+        self.self_id = self_id
+        self.enabled = enabled
+        self.block_tokens = block_tokens
+        self.rent = RentLedger(max_entries)
+        self.placements = PlacementLedger(placement_tau_s, max_entries)
+
+    def context(
+        self,
+        *,
+        now: float,
+        chain: Sequence[bytes],
+        prompt_tokens: int,
+        local_matched_tokens: int,
+        local_prefill_tps: float,
+        local_queue_wait_s: float,
+        local_load: float,
+        candidates: Iterable[Candidate],
+        hop_budget: int,
+        visited: Iterable[bytes],
+        all_peers: Iterable[bytes] = (),
+        n_nodes: int = 0,
+        forwarded_in: bool = False,
+    ) -> tuple[RouteContext, bytes | None]:
+        """Steps 1-3: the validated context and its rent key (None: nothing to rent).
+
+        ``n_nodes``: nodes the placements spread over, this one included.
+        ``forwarded_in``: the request came from a peer (not from a client).
+        """
+        candidates = tuple(candidates)
+        key: bytes | None = None
+        ledger: dict[str, float | int] = {}
+        if self.enabled:
+            if forwarded_in:
+                self.placements.record_inbound(now)
+            recent = self.placements.recent
+            candidates = tuple(
+                c if c.recent_placed else replace(c, recent_placed=recent(c.peer, now))
+                for c in candidates
+            )
+            key = rent_key(chain, candidates, self.block_tokens)
+            ledger = {
+                "rent_paid_s": self.rent.paid(key, now),
+                "recent_placed_total": self.placements.total(now),
+                "recent_placed_local": self.placements.recent(self.self_id, now),
+                "recent_forwarded_in": self.placements.inbound(now),
+                "n_nodes": n_nodes,
+            }
+        ctx = RouteContext(
+            prompt_tokens=prompt_tokens,
+            local_matched_tokens=local_matched_tokens,
+            local_prefill_tps=local_prefill_tps,
+            local_queue_wait_s=local_queue_wait_s,
+            local_load=local_load,
+            candidates=candidates,
+            hop_budget=hop_budget,
+            visited=visited,
+            first_block=chain[0] if chain else None,
+            all_peers=all_peers,
+            **ledger,
+        )
+        return ctx, key
+
+    def record(self, key: bytes | None, ctx: RouteContext, decision: Decision, now: float) -> None:
+        """Step 4: book ``decision``, made on ``ctx`` (from :meth:`context`)."""
+        if not self.enabled:
+            return
+        self.rent.observe(key, ctx, decision, now)
+        self.placements.record(decision.peer or self.self_id, now)
+
+    def decide(self, policy: Policy, *, now: float, **context) -> tuple[RouteContext, Decision]:
+        """:meth:`context`, ``policy.decide``, :meth:`record`: one routing decision."""
+        ctx, key = self.context(now=now, **context)
+        decision = policy.decide(ctx)
+        self.record(key, ctx, decision, now)
+        return ctx, decision
 
 
 def _same_cost(a: float, b: float) -> bool:

@@ -132,6 +132,7 @@ ERROR_CODES = frozenset(
         "no_route",  # every candidate failed and local serving is impossible
         "upstream_failed",  # the next hop failed mid-stream after tokens were relayed
         "shutting_down",  # the node is stopping; retry elsewhere
+        "duplicate",  # this node already handled a request with this id; retry elsewhere
         "internal",  # a bug or engine failure on the serving node
     }
 )

@@ -4,6 +4,7 @@ forwarding and traces, fallbacks, deadlines, digest expiry, and the resume filte
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import trio
@@ -163,7 +164,7 @@ def test_unknown_namespace_and_duplicate_ids_are_refused(tmp_path):
                     frame = await fs.receive()
                     assert isinstance(frame, expected), frame
                     await fs.close()
-                assert frame.code == "bad_request" and "duplicate" in frame.message
+                assert frame.code == "duplicate" and "already handled" in frame.message
             await _shutdown([a])
 
     trio.run(main)
@@ -255,5 +256,117 @@ def test_heartbeats_carry_summary_hashes_and_in_sync_peers_are_skipped(tmp_path)
             await _wait(lambda: all(_knows(n, b) for n in nodes if n is not b), timeout=10)
             assert sum(n.gossip.stats["exchanges_ok"] - before[n] for n in nodes) >= 1
             await _shutdown(nodes)
+
+    trio.run(main)
+
+
+async def _raw_request(client: Client, node: Node, req: wire.Request) -> list:
+    """Send ``req`` on a fresh stream to ``node``; every frame up to END or ERROR."""
+    from prefixmesh.overlay.host import FramedStream
+
+    await client.host.connect(node.identity.peer_id, node.host.listen_addrs(), timeout_s=5.0)
+    fs = FramedStream(await client.host.open_stream(node.identity.peer_id, wire.INFER_PROTOCOL))
+    await fs.send(req)
+    frames = []
+    try:
+        while True:
+            frame = await fs.receive(timeout_s=20.0)
+            if frame is None:
+                break
+            frames.append(frame)
+            if isinstance(frame, wire.End | wire.Error):
+                break
+    finally:
+        await fs.close()
+    return frames
+
+
+def test_duplicate_id_at_next_hop_falls_back_instead_of_failing(tmp_path):
+    """A resend that reaches a node which already handled the request id (a fallback
+    that arrived by another path) is refused as "duplicate" - retryable, so the sender
+    tries its next target (here: itself) and the client still gets its answer."""
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b = await _start(nursery, tmp_path, 2)
+            async with Client.connect(b.full_addrs()[0]) as cb:
+                await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
+            await _wait(lambda: _knows(a, b))
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                tenant = await ca.tenant()
+                prompt = await a.backend.tokenize([("system", SYSTEM), ("user", "dup")])
+                rid, deadline = b"d" * 16, time.time() + 20
+                req = wire.Request(id=rid, ns=tenant.ns_id, credential=tenant.credential(rid, deadline),
+                                   tokens=tuple(prompt), deadline=deadline,
+                                   sampling=wire.Sampling(max_tokens=2))
+                # B sees the id first (as if an earlier attempt had reached it)
+                first = await _raw_request(ca, b, replace(req, hop_budget=0))
+                assert isinstance(first[-1], wire.End)
+                again = await _raw_request(ca, b, replace(req, hop_budget=0))
+                assert isinstance(again[-1], wire.Error) and again[-1].code == "duplicate"
+                # A forwards to B (the holder), B says duplicate, A serves itself
+                frames = await _raw_request(ca, a, req)
+                final = next(f for f in frames if isinstance(f, wire.Final))
+                assert final.serving == a.identity.peer_id
+                assert [h.action for h in final.hops] == ["fallback", "serve"], final.hops
+                assert "duplicate" in final.hops[0].reason
+                assert b.infer.stats["duplicates"] == 2
+            await _shutdown([a, b])
+
+    trio.run(main)
+
+
+def test_per_peer_request_rate_limit(tmp_path):
+    """Over its token bucket a peer gets a retryable "overloaded" with a retry hint;
+    other peers are not affected."""
+    from prefixmesh.overlay.trust import PeerRateLimiter
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            (a,) = await _start(nursery, tmp_path, 1)
+            a.infer._request_limiter = PeerRateLimiter(rate_per_s=0.01, burst=2)
+            async with Client.connect(a.full_addrs()[0]) as c1:
+                for i in range(2):
+                    await c1.ask([("system", SYSTEM), ("user", f"r{i}")], max_tokens=1)
+                with pytest.raises(RequestFailed) as info:
+                    await c1.ask([("system", SYSTEM), ("user", "r3")], max_tokens=1)
+                assert info.value.code == "overloaded" and "rate limit" in info.value.message
+            async with Client.connect(a.full_addrs()[0]) as c2:  # another peer id: own bucket
+                ans = await c2.ask([("system", SYSTEM), ("user", "other")], max_tokens=1)
+                assert ans.final.serving == a.identity.peer_id
+            assert a.infer.stats["rate_limited"] == 1
+            await _shutdown([a])
+
+    trio.run(main)
+
+
+def test_subnet_limit_and_router_memory_are_wired(tmp_path):
+    """Candidates are capped per subnet by the address of the live connection (loopback
+    is exempt by default; the test turns the exemption off), and every decision goes
+    through the node's RouterMemory (placements, requests forwarded in)."""
+    from prefixmesh.overlay.trust import SubnetLimiter
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b, c = await _start(nursery, tmp_path, 3)
+            for holder in (b, c):
+                async with Client.connect(holder.full_addrs()[0]) as ch:
+                    await ch.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
+            await _wait(lambda: _knows(a, b) and _knows(a, c))
+            addrs = a.host.remote_addrs(b.identity.peer_id)
+            assert addrs and all(x.startswith("/ip4/127.0.0.1/tcp/") for x in addrs), addrs
+            a.infer._subnets = SubnetLimiter(max_per_subnet=1, exempt_loopback=False)
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                ans = await ca.ask([("system", SYSTEM), ("user", "z")], max_tokens=1)
+            # both holders are in 127.0.0.0/24: only one was a candidate
+            assert a.infer.stats["subnet_limited"] >= 1
+            assert ans.final.serving in (b.identity.peer_id, c.identity.peer_id)
+            serving = b if ans.final.serving == b.identity.peer_id else c
+            now = time.monotonic()
+            assert a.infer.memory.enabled
+            assert a.infer.memory.placements.recent(ans.final.serving, now) > 0.5
+            assert serving.infer.memory.placements.inbound(now) > 0.5  # counted on arrival
+            assert a.infer.memory.placements.inbound(now) == 0.0  # came from a client
+            await _shutdown([a, b, c])
 
     trio.run(main)

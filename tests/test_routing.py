@@ -632,3 +632,67 @@ def test_placement_ledger_total_is_the_sum_of_its_nodes(events: list[tuple[bytes
     later = now + 3.0
     assert led.total(later) == pytest.approx(sum(led.recent(p, later) for p in PEERS[:4]))
     assert led.total(later) <= len(events)
+
+
+# ----------------------------------------------------------------------- router memory
+
+_step = st.tuples(
+    st.floats(0.0, 5.0),  # time advance
+    st.booleans(),  # forwarded in from a peer
+    st.lists(st.tuples(st.sampled_from([A, B, C, D]), st.integers(0, 64),
+                       st.floats(0.001, 1.0)), max_size=4, unique_by=lambda t: t[0]),
+    st.integers(0, 64),  # local match
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(_step, min_size=1, max_size=25))
+def test_router_memory_equals_the_documented_call_sequence(steps) -> None:
+    """RouterMemory.decide (what the node and the simulator call) makes exactly the
+    decisions of the hand-written sequence in docs/ARCHITECTURE.md: record_inbound,
+    recent_placed per candidate, rent key, context, decide, rent.observe, record."""
+    from prefixmesh.overlay.routing import PlacementLedger, RouterMemory
+
+    chain = [bytes([i]) * 8 for i in range(4)]
+    mem = RouterMemory(SELF, block_tokens=16)
+    p1, p2 = policy("prefixmesh", seed=3), policy("prefixmesh", seed=3)
+    rent, placements = RentLedger(), PlacementLedger()
+    now = 0.0
+    for advance, forwarded_in, cands, local in steps:
+        now += advance
+        base = [cand(peer, matched, rtt=rtt) for peer, matched, rtt in cands]
+        got_ctx, got = mem.decide(
+            p1, now=now, chain=chain, prompt_tokens=64, local_matched_tokens=local,
+            local_prefill_tps=400.0, local_queue_wait_s=0.0, local_load=0.0,
+            candidates=base, hop_budget=2, visited=frozenset(), n_nodes=5,
+            forwarded_in=forwarded_in)
+        if forwarded_in:
+            placements.record_inbound(now)
+        full = [cand(c.peer, c.matched_tokens, rtt=c.rtt_s, placed=placements.recent(c.peer, now))
+                for c in base]
+        key = rent_key(chain, full)
+        want_ctx = ctx(*full, prompt=64, local_matched=local, rent=rent.paid(key, now),
+                       placed_total=placements.total(now),
+                       placed_local=placements.recent(SELF, now),
+                       fwd_in=placements.inbound(now), n_nodes=5, first_block=chain[0])
+        want = p2.decide(want_ctx)
+        rent.observe(key, want_ctx, want, now)
+        placements.record(want.peer or SELF, now)
+        assert got_ctx == want_ctx
+        assert (got.action, got.peer, got.fallbacks) == (want.action, want.peer, want.fallbacks)
+
+
+def test_router_memory_disabled_leaves_every_ledger_field_zero() -> None:
+    from prefixmesh.overlay.routing import RouterMemory
+
+    mem = RouterMemory(SELF, enabled=False)
+    for i in range(3):
+        c, d = mem.decide(policy("round-robin"), now=float(i), chain=[b"k" * 8],
+                          prompt_tokens=32, local_matched_tokens=0, local_prefill_tps=400.0,
+                          local_queue_wait_s=0.0, local_load=0.0,
+                          candidates=[cand(A, 32)], hop_budget=2, visited=(), n_nodes=4,
+                          forwarded_in=True, all_peers=(A, B))
+        assert (c.rent_paid_s, c.recent_placed_total, c.recent_forwarded_in, c.n_nodes) == (
+            0.0, 0.0, 0.0, 0)
+        assert c.candidates[0].recent_placed == 0.0
+    assert len(mem.placements) == 0 and len(mem.rent) == 0
