@@ -33,6 +33,14 @@ Sections and keys (defaults in parentheses; see ``examples/volunteer-node.toml``
     ``policy`` ("prefixmesh"), ``deadline_s`` (default request deadline, 60), ``hop_budget``
     (2); every other key must be a field of ``overlay.routing.RoutingConfig`` and have the
     type of its default.
+``[limits]`` (per-peer input limits; each peer has its own token bucket)
+    ``peer_request_rate`` (50.0 inference requests/s) and ``peer_request_burst`` (100): what
+    one peer may send on ``/prefixmesh/infer``; ``max_peers_per_subnet`` (4; 0 = no cap):
+    peers of one IPv4 /24 or IPv6 /48 considered in one routing decision;
+    ``digest_exchange_rate`` (4.0 exchanges/s) and ``digest_exchange_burst`` (8): digest
+    exchanges answered for one peer. Rates must be > 0 and bursts >= 1. An honest peer
+    opens about ``1 / [digest].interval_s`` exchanges/s with any one node, so keep
+    ``digest_exchange_rate`` at least that (the daemon warns otherwise).
 ``[http]``
     ``listen`` ("": off) ``HOST:PORT`` of the HTTP gateway; ``api_key`` (""). A gateway on a
     non-loopback address requires an api_key.
@@ -72,6 +80,7 @@ __all__ = [
     "ModelSection",
     "DigestSection",
     "RoutingSection",
+    "LimitsSection",
     "HttpSection",
     "ClientSection",
     "FlagSpec",
@@ -462,6 +471,21 @@ class DigestSection:
 
 
 @dataclass
+class LimitsSection:
+    peer_request_rate: float = _f(50.0, check=_float(0.0, 1e6, lo_open=True),
+                                  doc="inference requests/s accepted from one peer (refill)")
+    peer_request_burst: float = _f(100.0, check=_float(1.0, 1e7),
+                                   doc="requests one peer may send at once (bucket size, >= 1)")
+    max_peers_per_subnet: int = _f(4, check=_int(0, 1 << 16),
+                                   doc="peers per IPv4 /24 or IPv6 /48 in one routing "
+                                       "decision (0 = no cap)")
+    digest_exchange_rate: float = _f(4.0, check=_float(0.0, 1e6, lo_open=True),
+                                     doc="digest exchanges/s answered for one peer (refill)")
+    digest_exchange_burst: float = _f(8.0, check=_float(1.0, 1e7),
+                                      doc="digest exchanges one peer may open at once (>= 1)")
+
+
+@dataclass
 class RoutingSection:
     policy: str = _f("prefixmesh", check=_choice(POLICY_NAMES), doc=" | ".join(POLICY_NAMES))
     deadline_s: float = _f(60.0, check=_float(0.0, 3600.0, lo_open=True),
@@ -499,6 +523,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "digest": DigestSection,
     "routing": RoutingSection,
+    "limits": LimitsSection,
     "http": HttpSection,
     "client": ClientSection,
 }
@@ -510,6 +535,7 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     digest: DigestSection = field(default_factory=DigestSection)
     routing: RoutingSection = field(default_factory=RoutingSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
     http: HttpSection = field(default_factory=HttpSection)
     client: ClientSection = field(default_factory=ClientSection)
     tenants: dict[str, TenantSpec] = field(default_factory=dict)

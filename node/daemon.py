@@ -12,6 +12,11 @@ Wiring
     feeds its requests into the same ``InferService.process``; forward outcomes ->
     ``overlay.trust.TrustTracker`` -> ``Candidate.trust``.
 
+Per-peer input limits come from ``[limits]`` (``node/config.py``): the request rate and
+subnet cap go to ``InferSettings``, the digest-exchange rate to ``Gossip``; refusals are
+counted in ``stats`` (``digest_exchanges_rate_limited``,
+``digest_exchanges_concurrency_limited``, and the infer service's own counters).
+
 Start-up prints one line per dialable address on stdout (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``)
 and then ``ready``; tests and scripts read them.
 
@@ -162,7 +167,13 @@ class Node:
             index=self.index,
             heartbeat=self.heartbeat,
             policy=self.policy,
-            settings=InferSettings(hop_budget=rc.hop_budget, fault=self.options.fault),
+            settings=InferSettings(
+                hop_budget=rc.hop_budget,
+                fault=self.options.fault,
+                peer_request_rate=config.limits.peer_request_rate,
+                peer_request_burst=config.limits.peer_request_burst,
+                max_peers_per_subnet=config.limits.max_peers_per_subnet,
+            ),
             trust=TrustTracker(),
             share_limiter=ForwardShareLimiter() if self.options.share_cap else None,
             spot_checker=(
@@ -267,7 +278,18 @@ class Node:
                 byte_budget=cfg.digest.byte_budget,
                 rng=random.Random(opts.seed),
                 peer_hash=self._peer_summary_hash,
+                exchange_rate_per_s=cfg.limits.digest_exchange_rate,
+                exchange_burst=cfg.limits.digest_exchange_burst,
             )
+            if cfg.limits.digest_exchange_rate * cfg.digest.interval_s < 1.0:
+                # peers configured like us open ~1 exchange per interval with us: we
+                # would refuse some of them (they retry, but converge more slowly)
+                log.warning(
+                    "[limits].digest_exchange_rate %.3g/s is below the %.3g exchanges/s "
+                    "that peers with [digest].interval_s = %.3g open; raise it",
+                    cfg.limits.digest_exchange_rate, 1.0 / cfg.digest.interval_s,
+                    cfg.digest.interval_s,
+                )
             gossip = self.gossip
             self.heartbeat.summary_hash = lambda: gossip.own_hash
         async with trio.open_nursery() as nursery:

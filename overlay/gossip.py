@@ -31,6 +31,39 @@ Steady state: before the 3 messages the initiator sends a 16-byte hash of its su
 (both hold exactly the same records: nothing to exchange, about 40 bytes in all) and
 ``[0, false]`` otherwise, and the 3-message exchange follows on the same stream. Converged
 nodes therefore pay for summaries only when some origin issued a new record.
+
+Limits per peer (responder side, checked before a byte of the stream is read): a remote
+peer may hold at most ``max_exchanges_per_peer`` (2) responder exchanges open at once,
+and may open exchanges at most at ``exchange_rate_per_s`` (4/s) with bursts of
+``exchange_burst`` (8) (a :class:`~.trust.PeerRateLimiter` on ``limit_clock``, monotonic
+by default). Over either, the stream is reset unread and counted as
+``exchanges_concurrency_limited`` / ``exchanges_rate_limited``; the initiator sees a
+failed exchange and tries again in a later round. Why these never throttle an honest
+peer: an honest initiator contacts any one responder at most once per round (``fanout``
+distinct peers plus one backstop peer not among them), rounds are sequential and at least
+``interval_s`` apart, and an exchange ends (or times out after ``exchange_timeout_s``)
+before the next round starts; so it opens at most ``1 / interval_s`` exchanges per second
+with us and holds one at a time. 4/s covers every interval down to 0.25 s (the default is
+1 s; tests run 0.3-0.5 s); the burst of 8 absorbs rounds that bunch up (a slow round
+followed by fast ones). Nodes running a shorter ``interval_s`` need a higher rate
+(``[limits].digest_exchange_rate``; the daemon warns). The concurrency bound of 2 leaves
+room for one exchange whose responder half is still finishing after the initiator gave up
+on it.
+
+What one exchange can make the responder do is bounded too: each message is at most
+``max_message_bytes`` (384 KiB with the default budget), so message 3 carries at most
+about 1,800 records (the smallest signed record is 212 bytes; also at most
+``MAX_RECORDS_PER_MESSAGE`` = 4096), each verified (one Ed25519 check) before it is
+applied; records already held are skipped unverified. Measured: verifying a maximal
+message of fresh junk records took 0.44-0.54 s of CPU on a shared 2-core development
+machine. An honest peer sends at most its ``byte_budget`` of records, so a records
+message longer than *our* ``byte_budget`` is charged to the sender's exchange bucket:
+one more token per further ``byte_budget`` (capped at the burst), taken before anything
+is verified; a peer that cannot pay has the message dropped unverified
+(``records_rate_limited``) and resends in a later exchange. With the defaults a hostile
+peer thus gets about 4 x 64 KiB of records verified per second (about 0.3 s of CPU per
+second on that machine) instead of 4 x 384 KiB; a peer with a larger budget than ours
+still gets through, at a slower pace.
 """
 
 from __future__ import annotations
@@ -60,8 +93,9 @@ from .antientropy import (
     summary_hash,
 )
 from .digest import DigestError
-from .host import FramedStream, HostError, OverlayHost
+from .host import FramedStream, HostError, OverlayHost, remote_peer
 from .peerindex import PeerCacheIndex
+from .trust import PeerRateLimiter
 
 __all__ = ["Gossip", "summary_hash"]
 
@@ -98,6 +132,10 @@ class Gossip:
         summary_hash_check: bool = True,
         peer_hash: Callable[[bytes], bytes] | None = None,
         backstop_rounds: int = 10,
+        exchange_rate_per_s: float = 4.0,
+        exchange_burst: float = 8.0,
+        max_exchanges_per_peer: int = 2,
+        limit_clock: Callable[[], float] = time.monotonic,
     ):
         self.host = host
         self.ae = ae
@@ -125,6 +163,15 @@ class Gossip:
         self.stats: Counter[str] = Counter()
         self._want_snapshots: set[bytes] = set()
         self.last_heard: dict[bytes, float] = {}  # origin -> wall time of its last applied record
+        # responder-side limits per remote peer (module docstring, "Limits per peer")
+        if isinstance(max_exchanges_per_peer, bool) or not isinstance(max_exchanges_per_peer, int) \
+                or max_exchanges_per_peer < 1:
+            raise ValueError(f"max_exchanges_per_peer must be an int >= 1, "
+                             f"got {max_exchanges_per_peer!r}")
+        self.exchange_limiter = PeerRateLimiter(exchange_rate_per_s, exchange_burst)
+        self.max_exchanges_per_peer = max_exchanges_per_peer
+        self.limit_clock = limit_clock  # monotonic: a wall-clock step must not freeze buckets
+        self._answering: dict[bytes, int] = {}  # peer -> responder exchanges open now
 
     # --- running ---------------------------------------------------------------------
 
@@ -217,7 +264,37 @@ class Gossip:
                 await fs.close()
 
     async def handle(self, stream) -> None:
-        """Responder side."""
+        """Responder side: refuse a peer over its limits before reading a byte, else answer."""
+        try:
+            peer = remote_peer(stream)
+        except Exception:  # a stream object without a connection (tests): one bucket
+            peer = b""
+        if self._answering.get(peer, 0) >= self.max_exchanges_per_peer:
+            self.stats["exchanges_concurrency_limited"] += 1
+            await self._refuse(stream)
+            return
+        if not self.exchange_limiter.allow(peer, self.limit_clock()):
+            self.stats["exchanges_rate_limited"] += 1
+            await self._refuse(stream)
+            return
+        self._answering[peer] = self._answering.get(peer, 0) + 1
+        try:
+            await self._answer(stream, peer)
+        finally:
+            left = self._answering[peer] - 1
+            if left:
+                self._answering[peer] = left
+            else:
+                del self._answering[peer]
+
+    @staticmethod
+    async def _refuse(stream) -> None:
+        """Reset the stream unread: the initiator sees a failed exchange at once."""
+        with contextlib.suppress(Exception), trio.CancelScope(shield=True), \
+                trio.move_on_after(1):
+            await stream.reset()
+
+    async def _answer(self, stream, peer: bytes) -> None:
         fs = FramedStream(stream, timeout_s=self.exchange_timeout_s)
         try:
             with trio.fail_after(self.exchange_timeout_s * 2):
@@ -235,7 +312,11 @@ class Gossip:
                 want = sorted(self._want_snapshots)[:256]
                 self._want_snapshots.difference_update(want)
                 await self._send(fs, encode_reply(records, self.ae.summary(), want))
-                raws = decode_records(await self._receive(fs))
+                data = await self._receive(fs)
+                if not self._pay_for_records(peer, len(data)):
+                    self.stats["records_rate_limited"] += 1
+                    return  # dropped unverified; the peer resends in a later exchange
+                raws = decode_records(data)
                 self._apply(self.ae.receive(raws, self.clock()))
             self.stats["exchanges_answered"] += 1
         except AntiEntropyError:
@@ -251,6 +332,18 @@ class Gossip:
         finally:
             with contextlib.suppress(Exception), trio.CancelScope(shield=True):
                 await fs.close()
+
+    def _pay_for_records(self, peer: bytes, n_bytes: int) -> bool:
+        """Charge the peer's exchange bucket for a records message beyond our own budget.
+
+        An honest peer with our ``byte_budget`` never pays; each further ``byte_budget``
+        of records costs one more exchange token (capped at the burst, so a large but
+        lawful message is never refused forever)."""
+        extra = max(0, n_bytes - self.byte_budget) / self.byte_budget
+        if extra == 0:
+            return True
+        cost = min(extra, self.exchange_limiter.burst)
+        return self.exchange_limiter.allow(peer, self.limit_clock(), cost)
 
     async def _send(self, fs: FramedStream, payload: bytes) -> None:
         self.stats["bytes_out"] += len(payload) + 4

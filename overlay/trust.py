@@ -1,4 +1,5 @@
-"""Defences against lying peers: trust scores, a forwarded-share cap, spot checks, subnet caps.
+"""Defences against lying peers: trust scores, a forwarded-share cap, spot checks, subnet caps,
+per-peer rate limits.
 
 Everything a node learns about a peer's cache and capacity is the peer's own claim
 (signed, so it cannot be forged by a third party, but the signer may lie). This module
@@ -124,6 +125,31 @@ a peer with no usable address goes to one shared ``"none"`` bucket. Loopback add
 are exempt by default (local test clusters). This bounds what one cheap address block
 can contribute; it does not stop an attacker with many subnets.
 
+PeerRateLimiter
+---------------
+Per-peer token buckets for input hardening (request rate on ``/prefixmesh/infer``,
+digest-exchange rate on ``/prefixmesh/digest``): ``rate_per_s`` tokens per second refill a
+bucket of capacity ``burst``; a call costs ``cost`` tokens (1 by default) and is refused,
+taking nothing, when the bucket holds fewer. Guarantees (property-tested against a
+brute-force check): for non-decreasing ``now``, a peer is allowed at most
+``burst + rate_per_s * (t1 - t0)`` calls with ``now`` in any window ``[t0, t1]``; a peer
+whose calls are at least ``1 / rate_per_s`` apart is never refused; one peer's calls never
+change another peer's answers while at most ``max_peers`` peers are tracked. Time that
+goes backwards creates no tokens: each bucket refills only when ``now`` passes the latest
+time it has seen, so over any sequence the bound holds with each call counted at that
+watermark. Callers should still use a monotonic clock (a backwards step freezes refills
+until the clock catches up).
+
+Memory: at most ``max_peers`` (4096) buckets, least recently used evicted first. A
+forgotten peer starts again with a full bucket, which is safe: a full bucket is exactly
+what any new peer id gets, and peer ids cost nothing to make, so eviction grants a peer
+nothing it could not get by reconnecting under a fresh identity; to be evicted at all it
+must stay silent while ``max_peers`` other peers call. A bucket that has refilled
+completely is indistinguishable from no bucket, so evicting it changes no answer; only
+evictions of partly empty buckets count in ``evictions``. The limiter bounds each
+identity, not an attacker with many identities: that is the job of connection limits and
+:class:`SubnetLimiter`.
+
 Errors: :class:`TrustError` (``ValueError``) > :class:`InvalidTrustConfig`,
 :class:`InvalidObservation`.
 """
@@ -133,7 +159,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import random
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -154,6 +180,7 @@ __all__ = [
     "DRIFT",
     "SubnetLimiter",
     "subnet_of_multiaddr",
+    "PeerRateLimiter",
 ]
 
 MATCH = "match"
@@ -725,3 +752,116 @@ class SubnetLimiter:
                 used.update(buckets)
                 kept.append(item)
         return kept
+
+
+# ---------------------------------------------------------------------------- rate limits
+
+
+class PeerRateLimiter:
+    """Token bucket per peer: ``rate_per_s`` tokens/s refill, capacity ``burst``; at most
+    ``max_peers`` buckets kept (least recently used evicted: a forgotten peer starts full,
+    which is safe because a fresh peer id starts full anyway; see the module docstring).
+
+    A peer never seen (or forgotten) has a full bucket. ``allow`` refills the bucket for
+    the time since its last refill, then takes ``cost`` tokens if it holds that many.
+    ``rate_per_s`` must be > 0 (a limiter that never refills would be a lifetime quota;
+    callers that want no limit pass no limiter) and ``burst`` >= 1 (a cost-1 call must be
+    possible at all); both finite. ``cost`` may exceed ``burst``: such a call is never
+    allowed (``retry_after_s`` is ``inf``).
+
+    Time: each bucket keeps the latest ``now`` it has seen (its watermark) and refills
+    only when ``now`` passes it, so a clock that steps back creates no tokens: the bucket
+    is frozen until the clock catches up (a monotonic clock avoids the freeze).
+    Floating-point rounding is absorbed by a tolerance of 1e-9 tokens per unit of cost plus
+    ``2 * rate_per_s * ulp(now)`` (so a peer calling every ``1 / rate_per_s`` seconds by a
+    large clock is not refused by a rounding error; the slack is under 1e-4 tokens).
+    """
+
+    _EPS = 1e-9
+
+    def __init__(self, rate_per_s: float, burst: float, max_peers: int = 4096) -> None:
+        _check_pos(rate_per_s, "rate_per_s")
+        if not (isinstance(burst, int | float) and math.isfinite(burst) and burst >= 1):
+            raise InvalidTrustConfig(f"burst must be a finite number >= 1, got {burst!r}")
+        if isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers < 1:
+            raise InvalidTrustConfig(f"max_peers must be an int >= 1, got {max_peers!r}")
+        self.rate_per_s = float(rate_per_s)
+        self.burst = float(burst)
+        self.max_peers = max_peers
+        # peer -> [tokens, watermark]; order = least recently used first
+        self._buckets: OrderedDict[bytes, list[float]] = OrderedDict()
+        self.evictions = 0  # buckets dropped while not yet full again (documented leak)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._buckets
+
+    def _level(self, bucket: list[float], now: float) -> tuple[float, float]:
+        """(tokens, watermark) of ``bucket`` refilled up to ``now`` (never backwards)."""
+        tokens, mark = bucket
+        if now > mark:
+            tokens = min(self.burst, tokens + (now - mark) * self.rate_per_s)
+            mark = now
+        return tokens, mark
+
+    def _tolerance(self, now: float, cost: float) -> float:
+        """Rounding slack in tokens: 1e-9 per token of cost, plus what one rounding of a
+        large ``now`` (e.g. Unix time, ulp 2.4e-7 s) is worth at the refill rate."""
+        return self._EPS * max(1.0, cost) + 2.0 * self.rate_per_s * math.ulp(max(1.0, abs(now)))
+
+    def tokens(self, peer: bytes, now: float) -> float:
+        """Tokens ``peer`` holds at ``now`` (a query: nothing changes)."""
+        _obs_time(now)
+        bucket = self._buckets.get(peer)
+        return self.burst if bucket is None else self._level(bucket, now)[0]
+
+    def allow(self, peer: bytes, now: float, cost: float = 1.0) -> bool:
+        """Take ``cost`` tokens from ``peer``'s bucket if it holds them; True if taken.
+
+        A refused call takes nothing (a flooding peer gets its tokens back at the refill
+        rate, never faster, however often it knocks).
+        """
+        _obs_time(now)
+        _obs_nonneg(cost, "cost")
+        if cost > self.burst + self._EPS:
+            return False  # can never be allowed: changes nothing, spends no memory
+        bucket = self._buckets.get(peer)
+        if bucket is None:
+            self._make_room(now)
+            bucket = self._buckets[peer] = [self.burst, now]
+        else:
+            self._buckets.move_to_end(peer)
+        tokens, mark = self._level(bucket, now)
+        bucket[1] = mark
+        if tokens + self._tolerance(now, cost) >= cost:
+            bucket[0] = max(0.0, tokens - cost)
+            return True
+        bucket[0] = tokens
+        return False
+
+    def retry_after_s(self, peer: bytes, now: float, cost: float = 1.0) -> float:
+        """Seconds from ``now`` until ``allow(peer, ., cost)`` would succeed (0.0: now);
+        ``inf`` if ``cost`` exceeds the burst. A query: nothing changes."""
+        _obs_time(now)
+        _obs_nonneg(cost, "cost")
+        if cost > self.burst + self._EPS:
+            return math.inf
+        bucket = self._buckets.get(peer)
+        if bucket is None:
+            return 0.0
+        tokens, mark = self._level(bucket, now)
+        if tokens + self._tolerance(now, cost) >= cost:
+            return 0.0
+        # refills start only once the clock passes the watermark again
+        return max(0.0, mark - now) + (cost - tokens) / self.rate_per_s
+
+    def forget(self, peer: bytes) -> None:
+        self._buckets.pop(peer, None)
+
+    def _make_room(self, now: float) -> None:
+        while len(self._buckets) >= self.max_peers:
+            _peer, bucket = self._buckets.popitem(last=False)
+            if self._level(bucket, now)[0] < self.burst:
+                self.evictions += 1  # it restarts full: an early refill for that peer

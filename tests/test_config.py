@@ -369,3 +369,79 @@ def test_http_keys_bind_api_keys_to_tenants_and_are_redacted():
         load_config(text='[http.keys]\n"sk-one" = "nobody"\n')
     with pytest.raises(ConfigError, match=r"\[http\]\.keys"):
         load_config(text='[http.keys]\n"sk-one" = 3\n')
+
+
+# --- [limits] ---------------------------------------------------------------------------
+
+
+def test_limits_defaults_and_values(tmp_path):
+    lim = load_config().limits
+    assert (lim.peer_request_rate, lim.peer_request_burst) == (50.0, 100.0)
+    assert lim.max_peers_per_subnet == 4
+    assert (lim.digest_exchange_rate, lim.digest_exchange_burst) == (4.0, 8.0)
+    # the gossip defaults are the config defaults
+    import inspect
+
+    from prefixmesh.overlay.gossip import Gossip
+
+    params = inspect.signature(Gossip).parameters
+    assert params["exchange_rate_per_s"].default == lim.digest_exchange_rate
+    assert params["exchange_burst"].default == lim.digest_exchange_burst
+    cfg = load_config(write(tmp_path, "[limits]\npeer_request_rate = 5\npeer_request_burst = 1\n"
+                                      "max_peers_per_subnet = 0\ndigest_exchange_rate = 0.5\n"
+                                      "digest_exchange_burst = 2.5\n"))
+    lim = cfg.limits
+    assert lim.peer_request_rate == 5.0 and isinstance(lim.peer_request_rate, float)
+    assert lim.peer_request_burst == 1.0 and lim.max_peers_per_subnet == 0
+    assert (lim.digest_exchange_rate, lim.digest_exchange_burst) == (0.5, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("peer_request_rate = 0", "[limits].peer_request_rate: 0 is out of range (more than 0"),
+        ("peer_request_rate = -1.5", "[limits].peer_request_rate: -1.5 is out of range"),
+        ("peer_request_rate = 'fast'", '[limits].peer_request_rate: "fast" is not a number'),
+        ("peer_request_rate = nan", "[limits].peer_request_rate: nan is out of range"),
+        ("peer_request_rate = inf", "[limits].peer_request_rate: inf is out of range"),
+        ("peer_request_burst = 0.5", "[limits].peer_request_burst: 0.5 is out of range "
+                                     "(at least 1.0"),
+        ("peer_request_burst = true", "[limits].peer_request_burst: must be a number, not a "
+                                      "boolean"),
+        ("max_peers_per_subnet = -1", "[limits].max_peers_per_subnet: -1 is out of range"),
+        ("max_peers_per_subnet = 2.0", "[limits].max_peers_per_subnet: must be an integer"),
+        ("digest_exchange_rate = 0.0", "[limits].digest_exchange_rate: 0.0 is out of range"),
+        ("digest_exchange_burst = 0", "[limits].digest_exchange_burst: 0 is out of range"),
+        ("digest_exchange_burst = [6]", "[limits].digest_exchange_burst: must be a number, not "
+                                        "a list"),
+        ("peer_rate = 3", "[limits].peer_rate: unknown key (known: peer_request_rate,"),
+    ],
+)
+def test_limits_bad_values_name_the_key(tmp_path, text, expected):
+    assert expected in err(tmp_path, "[limits]\n" + text + "\n")
+
+
+def test_limits_section_must_be_a_table(tmp_path):
+    assert "[limits]: must be a table" in err(tmp_path, "limits = 3\n")
+
+
+def test_limits_print_config_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, "[limits]\npeer_request_rate = 7.5\n"
+                                      "max_peers_per_subnet = 0\ndigest_exchange_burst = 9\n"))
+    printed = config_to_toml(cfg)
+    doc = tomllib.loads(printed)
+    assert doc["limits"] == {"peer_request_rate": 7.5, "peer_request_burst": 100.0,
+                             "max_peers_per_subnet": 0, "digest_exchange_rate": 4.0,
+                             "digest_exchange_burst": 9.0}
+    assert "max_peers_per_subnet = 0  # peers per IPv4 /24" in printed
+    assert load_config(write(tmp_path, printed, "printed.toml")) == cfg
+
+
+def test_node_print_config_shows_limits(tmp_path, capsys):
+    from prefixmesh.cli import main
+
+    p = write(tmp_path, "[limits]\ndigest_exchange_rate = 4.0\n")
+    assert main(["node", "--config", str(p), "--print-config"]) == 0
+    doc = tomllib.loads(capsys.readouterr().out)
+    assert doc["limits"]["digest_exchange_rate"] == 4.0
+    assert doc["limits"]["peer_request_rate"] == 50.0
