@@ -21,6 +21,7 @@ or not TCP multiaddrs are ignored.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import trio
 
 from .host import HostError, OverlayHost, split_p2p_addr
-from .identity import peer_id_to_b58
+from .identity import IdentityError, peer_id_to_b58, public_key_from_peer_id
 
 __all__ = [
     "KnownPeer",
@@ -68,6 +69,7 @@ class PeerDirectory:
         self.self_id = self_id
         self.on_new_peer = on_new_peer
         self.peers: dict[bytes, KnownPeer] = {}
+        self.invalid_ids = 0  # peer ids ignored because they are not Ed25519 identities
 
     def learn(self, peer: bytes, addrs: Sequence[str], source: str) -> bool:
         """Record ``peer`` at ``addrs`` (transport addrs, no /p2p part). True if new."""
@@ -77,6 +79,12 @@ class PeerDirectory:
         new = known is None
         if new:
             if len(self.peers) >= MAX_PEERS:
+                return False
+            try:  # only Ed25519 identities can sign digests: ignore any other kind
+                public_key_from_peer_id(peer)
+            except (IdentityError, TypeError, ValueError):
+                self.invalid_ids += 1
+                log.debug("ignored a peer id that is not an Ed25519 identity (via %s)", source)
                 return False
             known = self.peers[peer] = KnownPeer(peer, first_seen=time.time())
         known.sources.add(source)
@@ -292,8 +300,19 @@ class DhtRecordError(ValueError):
     """A DHT record that is malformed, too big, or not signed by the peer it names."""
 
 
-def decode_dht_record(key: str, value: bytes) -> tuple[bytes, list[str], float]:
-    """Validate a record stored under ``/prefixmesh/<peer b58>``; raises DhtRecordError."""
+#: how far a record's issued_at may lie ahead of our clock: a record "from the future"
+#: would win ``select`` over every later record its owner publishes (a stolen key or a
+#: broken clock could pin a peer's address record forever)
+MAX_DHT_RECORD_SKEW_S = 300.0
+
+
+def decode_dht_record(
+    key: str, value: bytes, now: float | None = None
+) -> tuple[bytes, list[str], float]:
+    """Validate a record stored under ``/prefixmesh/<peer b58>``; raises DhtRecordError.
+
+    ``issued_at`` must be finite and at most :data:`MAX_DHT_RECORD_SKEW_S` ahead of
+    ``now`` (default: the wall clock)."""
     import cbor2
 
     from .identity import peer_id_from_b58, verify_signature
@@ -313,12 +332,21 @@ def decode_dht_record(key: str, value: bytes) -> tuple[bytes, list[str], float]:
         or not all(isinstance(a, str) for a in addrs)
     ):
         raise DhtRecordError("malformed record fields")
+    if not math.isfinite(issued_at):
+        raise DhtRecordError(f"issued_at must be finite, got {issued_at!r}")
+    now = time.time() if now is None else now
+    if issued_at > now + MAX_DHT_RECORD_SKEW_S:
+        raise DhtRecordError(
+            f"issued_at {issued_at:.0f} is {issued_at - now:.0f} s in the future "
+            f"(at most {MAX_DHT_RECORD_SKEW_S:.0f} s accepted)"
+        )
     expected = key.rsplit("/", 1)[-1]
     try:
-        if peer_id_from_b58(expected) != peer:
-            raise DhtRecordError("record names another peer than its key")
+        key_peer = peer_id_from_b58(expected)
     except ValueError as exc:
         raise DhtRecordError(f"bad key {key!r}: {exc}") from None
+    if key_peer != peer:
+        raise DhtRecordError("record names another peer than its key")
     if not verify_signature(peer, _DHT_RECORD_LABEL + body, sig):
         raise DhtRecordError("bad signature (the writer is not the peer named by the key)")
     return peer, addrs, issued_at

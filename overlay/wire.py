@@ -67,6 +67,7 @@ __all__ = [
     "MAX_ERROR_CHARS",
     "MAX_ID_BYTES",
     "MAX_CBOR_DEPTH",
+    "MAX_CBOR_ITEMS",
     "MAX_PEERS_LISTED",
     "MAX_ADDRS",
     "ERROR_CODES",
@@ -115,6 +116,12 @@ MAX_SHORT_STRING = 256
 MAX_ERROR_CHARS = 2048
 MAX_ID_BYTES = 512
 MAX_CBOR_DEPTH = 8
+# CBOR items (all levels) in one frame. Token ids travel as packed bytes, so the largest
+# legitimate frame (a PEERS reply of MAX_PEERS_LISTED peers with MAX_ADDRS addrs each) has
+# ~30,000 items; without a cap a 512 KiB frame of one-byte items costs ~0.3 s of Python
+# before the schema refuses it (remote CPU amplification). tests/test_wire.py checks the
+# largest frames of every type stay under it.
+MAX_CBOR_ITEMS = 65_536
 MAX_PEERS_LISTED = 1024
 MAX_ADDRS = 16
 MAX_MAX_TOKENS = 32_768
@@ -439,6 +446,7 @@ def _scan_cbor(body: bytes) -> None:
         raise MalformedFrame(f"CBOR additional info {info} (indefinite or reserved) refused")
 
     top = True
+    seen = 0
     while top or stack:
         if not top:
             if stack[-1] == 0:
@@ -446,6 +454,9 @@ def _scan_cbor(body: bytes) -> None:
                 continue
             stack[-1] -= 1
         top = False
+        seen += 1
+        if seen > MAX_CBOR_ITEMS:
+            raise LimitExceeded(f"frame has more than {MAX_CBOR_ITEMS} CBOR items")
         ib = body[pos] if pos < n else None
         major, arg, pos = head(pos)
         if major in (0, 1):

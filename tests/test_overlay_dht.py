@@ -62,3 +62,19 @@ def test_dht_finds_unconfigured_peers(tmp_path):
         wait_until(lambda: all(p.up for p in peers(d.addr).peers), timeout_s=20,
                    what="D to connect to the peers it found")
         assert time.monotonic() - t0 < 80
+
+
+def test_records_from_the_future_or_non_finite_are_refused():
+    """A record with issued_at = inf/nan, or far ahead of our clock, would win select()
+    over every record its owner publishes later: refused (SECURITY.md section 4)."""
+    me = Identity.generate()
+    key = f"/prefixmesh/{me.peer_id_b58}"
+    now = 1_000_000.0
+    for bad in (float("inf"), float("nan"), now + 3600.0):
+        with pytest.raises(DhtRecordError):
+            decode_dht_record(key, encode_dht_record(me, ["/ip4/127.0.0.1/tcp/1"], bad), now=now)
+    ok = encode_dht_record(me, ["/ip4/127.0.0.1/tcp/1"], now + 60.0)  # small skew: fine
+    assert decode_dht_record(key, ok, now=now)[2] == now + 60.0
+    inf = encode_dht_record(me, ["/ip4/6.6.6.6/tcp/6"], float("inf"))
+    later = encode_dht_record(me, ["/ip4/127.0.0.1/tcp/2"], time.time())
+    assert PrefixmeshValidator().select(key, [inf, later]) == 1

@@ -25,3 +25,14 @@ def test_directory_learns_filters_and_rewatches():
 def test_providers_key_depends_on_model():
     a, b = providers_key(b"model-a"), providers_key(b"model-b")
     assert a != b and a.startswith("1220") and len(bytes.fromhex(a)) == 34
+
+
+def test_directory_ignores_peer_ids_that_are_not_ed25519_identities():
+    """An RSA or secp256k1 libp2p node answering mDNS (or any junk id) is ignored and
+    counted, never half-registered (SECURITY.md section 4)."""
+    me = Identity.generate().peer_id
+    calls = []
+    d = PeerDirectory(me, on_new_peer=calls.append)
+    for junk in (b"", b"\x00" * 34, b"\x12\x20" + b"\x01" * 32, b"not a peer id"):
+        assert not d.learn(junk, ["/ip4/127.0.0.1/tcp/1"], "mdns")
+    assert d.peers == {} and calls == [] and d.invalid_ids == 4

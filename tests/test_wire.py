@@ -274,3 +274,36 @@ def test_peers_reply_roundtrip():
         stats={"rejected_BadSignature": 3},
     )
     assert w.decode_body(w.encode_frame(reply)[4:]) == reply
+
+
+def test_item_cap_refuses_item_floods_and_admits_the_largest_legitimate_frames():
+    # a frame of one-byte items: refused by the pre-scan's item count, before cbor2
+    flood = cbor2.dumps([0] * (w.MAX_CBOR_ITEMS + 10))
+    assert len(flood) <= w.MAX_FRAME_BYTES
+    with pytest.raises(w.LimitExceeded, match="CBOR items"):
+        w.decode_body(flood)
+    # the most items legitimate frames carry: a PEERS reply as large as the frame allows
+    # (long lists of short addresses and sources), and a request with the most messages
+    # and hops; each decodes (or is refused for its byte size, never for its item count)
+    addr = "/ip4/1.2.3.4/tcp/1"
+    peers = tuple(
+        w.PeerInfo(peer=bytes([i % 256]) * 38, addrs=(addr,) * w.MAX_ADDRS, connected=True,
+                   up=True, rtt_ms=1.0, queue_depth=0, active=0, n_hashes=1,
+                   digest_age_s=1.0, sources=("gossip", "mdns", "dht", "bootstrap"))
+        for i in range(w.MAX_PEERS_LISTED)
+    )
+    for n in (w.MAX_PEERS_LISTED, 600, 300):
+        try:
+            frame = w.encode_frame(w.PeersReply(self_peer=b"s" * 38, model=b"m" * 16,
+                                                addrs=(addr,) * w.MAX_ADDRS, peers=peers[:n],
+                                                stats={f"s{i}": i for i in range(256)}))
+        except w.OversizeFrame:
+            continue
+        assert isinstance(w.decode_body(frame[4:]), w.PeersReply)
+        break
+    else:  # pragma: no cover
+        raise AssertionError("no PEERS reply fit a frame")
+    hop = w.Hop(peer=b"p" * 38, action="forward", reason="r", next_peer=b"q" * 38)
+    req = w.Request(id=b"i", ns=b"n", messages=tuple(w.Message("user", "x") for _ in range(w.MAX_MESSAGES)),
+                    trace=(hop,) * w.MAX_HOPS, visited=tuple(bytes([i]) * 38 for i in range(w.MAX_HOPS)))
+    assert w.decode_body(w.encode_frame(req)[4:]) == req
