@@ -14,7 +14,10 @@ Every node on a request's path decides for itself (no coordinator):
 
 Failure handling (the requester never hangs, no request is silently lost): a forward
 that fails before any token came back (dial or stream error, ERROR frame with a
-retryable code, the peer's heartbeat going down, a stall of ``first_frame_timeout_s``)
+retryable code, the peer's heartbeat going down, no first frame within the hop's
+*patience* (``first_frame_factor`` x the policy's estimate for that peer, at least
+``first_frame_floor_s``, at most ``first_frame_timeout_s``: a slow or lying peer is
+abandoned early enough to serve elsewhere), or a gap of ``max_frame_gap_s`` mid-stream)
 is recorded as a ``fallback`` hop and the next fallback peer is tried, then local
 serving. A failure *after* tokens were relayed (e.g. ``kill -9`` of the serving node
 mid-stream) is resumed the same way when the request is deterministic (temperature
@@ -56,7 +59,7 @@ from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .identity import peer_id_to_b58
 from .peerindex import PeerCacheIndex
-from .routing import Candidate, Policy, RouterMemory
+from .routing import Candidate, Policy, RouteContext, RouterMemory, candidate_cost_s
 from .trust import (
     MISMATCH,
     ForwardShareLimiter,
@@ -83,6 +86,11 @@ _LOCAL = b""  # sentinel target: serve here
 class InferSettings:
     hop_budget: int = 2  # most further forwards this node allows (caps the request's budget)
     first_frame_timeout_s: float = 60.0  # a next hop silent this long (but "up") is abandoned
+    # ... or sooner: after first_frame_factor x its estimated time to first token (the
+    # policy's cost for it, claimed cache at face value), but never under the floor
+    first_frame_factor: float = 5.0
+    first_frame_floor_s: float = 10.0
+    max_frame_gap_s: float = 30.0  # a next hop silent this long mid-stream is abandoned
     stall_check_s: float = 0.2  # how often a waiting forwarder re-checks heartbeat/deadline
     stream_timeout_s: float = 3.0  # dial + new stream to the next hop
     send_timeout_s: float = 10.0
@@ -428,7 +436,7 @@ class InferService:
             ranked = sorted(ctx.candidates, key=lambda c: (-c.matched_tokens, c.load, c.peer))
             targets += [c.peer for c in ranked if c.peer not in targets][: 4]
         claims = {c.peer: c for c in ctx.candidates}
-        await self._run_targets(req, relay, t_recv, targets, decision, hop_base, claims)
+        await self._run_targets(req, relay, t_recv, targets, decision, hop_base, claims, ctx)
 
     async def _decide(self, req: wire.Request, tenant):
         t0 = time.perf_counter()
@@ -544,7 +552,8 @@ class InferService:
         await self._run_targets(req, relay, t_recv, holders[:4], decision, hop)
 
     async def _run_targets(self, req, relay: _Relay, t_recv, targets, decision, hop_base,
-                           claims: dict[bytes, Candidate] | None = None) -> None:
+                           claims: dict[bytes, Candidate] | None = None,
+                           ctx: RouteContext | None = None) -> None:
         extra_hops: list[wire.Hop] = []
         failure: str | None = None
         failed: list[bytes] = []
@@ -587,7 +596,8 @@ class InferService:
                 )
                 claimed = (claims or {}).get(target)
                 observed = _Observed([], [])
-                source = self._remote_source(target, downstream, t_recv, claimed, observed)
+                source = self._remote_source(target, downstream, t_recv, claimed, observed,
+                                             self._patience_s(ctx, claimed))
                 self.stats["forwarded"] += 1
                 if self.share_limiter is not None:
                     self.share_limiter.record(target, time.monotonic())
@@ -866,8 +876,10 @@ class InferService:
         return produce
 
     def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float,
-                       claimed: Candidate | None = None, observed: _Observed | None = None):
+                       claimed: Candidate | None = None, observed: _Observed | None = None,
+                       patience_s: float | None = None):
         s = self.settings
+        patience_s = s.first_frame_timeout_s if patience_s is None else patience_s
 
         async def produce(out: trio.MemorySendChannel) -> None:
             if not self.heartbeat.is_up(peer):
@@ -945,11 +957,13 @@ class InferService:
                             if not self.heartbeat.is_up(peer):
                                 failure.append("peer went down (heartbeat)")
                                 break
-                            if (
-                                progress["first"]
-                                and time.perf_counter() - progress["at"] > s.first_frame_timeout_s
-                            ):
-                                failure.append("no answer within the first-frame timeout")
+                            silent = time.perf_counter() - progress["at"]
+                            if progress["first"] and silent > patience_s:
+                                failure.append(
+                                    f"no first frame within {patience_s:.1f} s (patience)")
+                                break
+                            if not progress["first"] and silent > s.max_frame_gap_s:
+                                failure.append(f"stalled for {silent:.1f} s mid-stream")
                                 break
                         nursery.cancel_scope.cancel()
 
@@ -966,6 +980,16 @@ class InferService:
 
         return produce
 
+
+    def _patience_s(self, ctx: RouteContext | None, c: Candidate | None) -> float:
+        """How long to wait for a next hop's first frame: ``first_frame_factor`` x the
+        policy's estimate for it (its claimed cache taken at face value, so a peer that
+        claims much and delivers slowly is dropped early), within [floor, timeout]."""
+        s = self.settings
+        if ctx is None or c is None:
+            return s.first_frame_timeout_s
+        est = candidate_cost_s(ctx, c, use_trust=False)
+        return min(s.first_frame_timeout_s, max(s.first_frame_floor_s, s.first_frame_factor * est))
 
     def _observe_final(self, peer: bytes, claimed: Candidate | None, final: wire.Final) -> None:
         """Trust rules (a) and (c) for a peer that served what we forwarded: did it reuse

@@ -370,3 +370,39 @@ def test_subnet_limit_and_router_memory_are_wired(tmp_path):
             await _shutdown([a, b, c])
 
     trio.run(main)
+
+
+def test_slow_peer_is_abandoned_after_its_patience_and_served_elsewhere(tmp_path):
+    """A holder that is up (heartbeats fine) but far slower than it advertises: the
+    forwarder waits its patience (factor x the estimate, at least the floor), records a
+    fallback and a trust failure, and serves the request itself well within the deadline."""
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b = await _start(nursery, tmp_path, 2)
+            async with Client.connect(b.full_addrs()[0]) as cb:
+                await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
+            await _wait(lambda: _knows(a, b))
+            a.infer.settings.first_frame_floor_s = 0.5
+            real_generate = b.backend.generate
+
+            async def slow(request):
+                await trio.sleep(20.0)  # far beyond any estimate
+                async for ev in real_generate(request):
+                    yield ev
+
+            b.backend.generate = slow
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                t0 = time.monotonic()
+                ans = await ca.ask([("system", SYSTEM), ("user", "slow")], max_tokens=2,
+                                   deadline_s=30.0)
+                waited = time.monotonic() - t0
+            hops = ans.final.hops
+            assert ans.final.serving == a.identity.peer_id
+            assert [h.action for h in hops] == ["fallback", "serve"], hops
+            assert hops[0].next_peer == b.identity.peer_id and "patience" in hops[0].reason
+            assert a.infer.trust.record(b.identity.peer_id).failures == 1
+            assert waited < 20.0  # abandoned before the slow peer would have answered
+            await _shutdown([a, b])
+
+    trio.run(main)
