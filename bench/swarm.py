@@ -30,8 +30,12 @@ Per-link delay
     (``ip netns add``), with ``tc qdisc add dev lo root netem delay D`` on that namespace's
     loopback. netem delays every packet on lo, so a round trip between two nodes costs
     2 x D. Needs root, ``ip`` and the kernel's ``sch_netem``; without a namespace the run
-    falls back to the host loopback, without netem it runs in the namespace without delay,
-    and either way the output says so (``network`` field). The namespace (and any process
+    falls back to the host loopback. Without netem every node process delays each frame
+    it sends by D in the application instead (``PREFIXMESH_LINK_DELAY_MS``,
+    ``overlay.host.set_link_delay``): the same 2 x D between nodes for requests, answers,
+    heartbeats and digests, but not for libp2p's own handshake bytes, and node-to-client
+    answers are delayed by D too (equal for every policy). Either way the output says
+    what happened (``network`` field). The namespace (and any process
     left in it) is removed on exit, also on errors and on SIGTERM/SIGINT.
 
 Bounds
@@ -496,6 +500,8 @@ def _run_inner(spec_path: Path, out_path: Path) -> int:
         raise SwarmBenchError(f"default model not fetched ({model_path}): "
                               "run `prefixmesh model fetch` first")
     root = Path(spec["root"])
+    if spec.get("app_delay_ms"):
+        os.environ["PREFIXMESH_LINK_DELAY_MS"] = str(spec["app_delay_ms"])  # node processes
     results = []
     for policy in cfg.policies:
         print(f"bench swarm: policy {policy}: starting {cfg.nodes} nodes", file=sys.stderr,
@@ -525,8 +531,14 @@ def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
     net = NetworkNamespace(cfg.delay_ms, cfg.netns)
     inner: subprocess.Popen | None = None
     try:
+        # no netem here: fall back to the nodes' own per-frame delay (same RTT, applied
+        # in the application; see overlay.host.set_link_delay for how it differs)
+        app_delay_ms = cfg.delay_ms if cfg.delay_ms > 0 and not net.delay_applied else 0.0
+        if app_delay_ms:
+            net.note += (f"; instead each node delays every frame it sends by {app_delay_ms:g}"
+                         f" ms in the application (RTT {2 * app_delay_ms:g} ms between nodes)")
         spec = {"config": asdict(cfg), "trace": [asdict(r) for r in trace.requests],
-                "root": str(tmp / "run")}
+                "root": str(tmp / "run"), "app_delay_ms": app_delay_ms}
         spec_path, out_path = tmp / "spec.json", tmp / "results.json"
         spec_path.write_text(json.dumps(spec))
         argv = net.wrap([sys.executable, "-m", "prefixmesh.bench.swarm", "--inner",
@@ -550,7 +562,9 @@ def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 inner.wait(10)
         network = {"namespace": net.name is not None, "delay_ms": cfg.delay_ms,
-                   "delay_applied": net.delay_applied, "note": net.note}
+                   "delay_applied": net.delay_applied,
+                   "app_delay": bool(cfg.delay_ms > 0 and not net.delay_applied),
+                   "note": net.note}
         net.close()
         if not cfg.keep:
             import shutil  # noqa: PLC0415

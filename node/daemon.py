@@ -37,6 +37,10 @@ digest the block hashes of every prompt listed in the JSON file named by
 ``PREFIXMESH_FAULT_PROMPTS`` (a list of message lists, ``[[["system", "..."], ...], ...]``),
 in every namespace it serves, without holding them.
 
+Benchmark-only link delay: ``PREFIXMESH_LINK_DELAY_MS`` (0-10,000) delays every frame the
+process sends by that many milliseconds (``overlay.host.set_link_delay``); ``prefixmesh
+bench swarm`` uses it where the kernel has no netem.
+
 Run as a process for tests/scripts (the CLI's ``prefixmesh node`` calls :func:`run_node`)::
 
     python -m prefixmesh.node.daemon --listen /ip4/127.0.0.1/tcp/0 --bootstrap ADDR \\
@@ -532,6 +536,16 @@ def main(argv: list[str] | None = None) -> int:
         fault=os.environ.get("PREFIXMESH_FAULT", ""),
         fault_prompts=_fault_prompts(os.environ.get("PREFIXMESH_FAULT_PROMPTS", "")),
     )
+    delay_ms = os.environ.get("PREFIXMESH_LINK_DELAY_MS", "")
+    if delay_ms:
+        from prefixmesh.overlay.host import set_link_delay  # noqa: PLC0415
+
+        try:
+            set_link_delay(float(delay_ms) / 1000.0)
+        except ValueError as exc:
+            print(f"error: PREFIXMESH_LINK_DELAY_MS={delay_ms!r}: {exc}", file=sys.stderr)
+            return 2
+        log.warning("BENCHMARK-ONLY LINK DELAY ACTIVE: %s ms per frame sent", delay_ms)
     with contextlib.suppress(KeyboardInterrupt):
         return run_node(config, options)
     return 130

@@ -386,6 +386,23 @@ async def _reset_quietly(stream) -> None:
         await stream.reset()
 
 
+#: Benchmark-only link delay (seconds added to every frame this process sends), for
+#: machines whose kernel has no netem (``bench swarm`` sets it through the daemon's
+#: ``PREFIXMESH_LINK_DELAY_MS``). Each frame leaves ``delay`` after it was handed over,
+#: and frames on one stream keep their order; a writer waits for its frame, so a stream
+#: carries at most one frame per ``delay`` (TTFT sees the full delay, long token streams
+#: are slowed more than by a real link). 0 in every real deployment.
+_link_delay_s = 0.0
+
+
+def set_link_delay(seconds: float) -> None:
+    """Set the benchmark-only per-frame delay of this process (see ``_link_delay_s``)."""
+    global _link_delay_s
+    if not (0.0 <= seconds <= 10.0):
+        raise ValueError(f"link delay must be in [0, 10] s, got {seconds!r}")
+    _link_delay_s = float(seconds)
+
+
 class FramedStream:
     """Reads and writes :mod:`wire` frames (or raw length-prefixed messages) on a libp2p
     stream, every operation under a deadline."""
@@ -393,6 +410,7 @@ class FramedStream:
     def __init__(self, stream, *, timeout_s: float = 10.0):
         self.stream = stream
         self.timeout_s = timeout_s
+        self._release_at = 0.0  # benchmark link delay: when the last frame left
         self.decoder = wire.FrameDecoder()
         self._raw = bytearray()
         self.bytes_in = 0
@@ -418,6 +436,9 @@ class FramedStream:
         return data
 
     async def write_bytes(self, data: bytes, timeout_s: float | None = None) -> None:
+        if _link_delay_s > 0.0:
+            self._release_at = max(trio.current_time() + _link_delay_s, self._release_at)
+            await trio.sleep_until(self._release_at)
         try:
             with trio.fail_after(self.timeout_s if timeout_s is None else timeout_s):
                 await self.stream.write(data)

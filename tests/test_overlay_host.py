@@ -95,3 +95,40 @@ def test_read_deadline_and_pooled_streams():
             assert not a._pool.get((b.peer_id, "/test/echo"))
 
     trio.run(main)
+
+
+def test_benchmark_link_delay_delays_each_frame_in_order():
+    """``set_link_delay`` (bench swarm without netem): every frame leaves at least the
+    delay after it was handed over, in order; 0 (the default) restores plain sends."""
+    from prefixmesh.overlay import host as host_mod
+
+    async def main():
+        a, b = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+        got: list[tuple[int, float]] = []
+
+        async def sink(stream):
+            fs = FramedStream(stream)
+            while (frame := await fs.receive(timeout_s=10)) is not None:
+                got.append((frame.nonce, trio.current_time()))
+
+        b.set_handler("/test/sink", sink)
+        async with a.run(), b.run():
+            await a.connect(b.peer_id, b.listen_addrs(), 5)
+            fs = FramedStream(await a.open_stream(b.peer_id, "/test/sink"))
+            host_mod.set_link_delay(0.3)
+            try:
+                t0 = trio.current_time()
+                for nonce in (1, 2, 3):
+                    await fs.send(wire.Ping(nonce))
+            finally:
+                host_mod.set_link_delay(0.0)
+            await fs.close()
+            with trio.fail_after(5):
+                while len(got) < 3:
+                    await trio.sleep(0.01)
+        assert [n for n, _ in got] == [1, 2, 3]
+        assert got[0][1] - t0 >= 0.3
+        with pytest.raises(ValueError):
+            host_mod.set_link_delay(-1.0)
+
+    trio.run(main)
