@@ -717,15 +717,21 @@ def _break_top_tie(
 # ---------------------------------------------------------------------------- policies
 
 
-class PrefixMeshPolicy:
-    """Cost model with margin, bounded load and trust (see the module docstring)."""
+class _PolicyBase:
+    """What every policy is built from (``make_policy`` passes the same three)."""
 
-    name = "prefixmesh"
+    name = ""
 
     def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
         self.config = config
         self.rng = rng
         self.self_id = self_id
+
+
+class PrefixMeshPolicy(_PolicyBase):
+    """Cost model with margin, bounded load and trust (see the module docstring)."""
+
+    name = "prefixmesh"
 
     def decide(self, ctx: RouteContext) -> Decision:
         cfg = self.config
@@ -817,15 +823,10 @@ class PrefixMeshPolicy:
         return Decision(FORWARD, peer, reason, local, cost, fallbacks)
 
 
-class PaperPolicy:
+class PaperPolicy(_PolicyBase):
     """arXiv:2606.17059: the longest estimated match wins; ties go to local."""
 
     name = "paper"
-
-    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
-        self.config = config
-        self.rng = rng
-        self.self_id = self_id
 
     def decide(self, ctx: RouteContext) -> Decision:
         local = local_cost_s(ctx)
@@ -859,15 +860,10 @@ class PaperPolicy:
         )
 
 
-class OraclePolicy:
+class OraclePolicy(_PolicyBase):
     """Exact information, minimum cost, no margin/trust/bound: the simulator's upper reference."""
 
     name = "oracle"
-
-    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
-        self.config = config
-        self.rng = rng
-        self.self_id = self_id
 
     def decide(self, ctx: RouteContext) -> Decision:
         local = local_cost_s(ctx)
@@ -895,25 +891,17 @@ class OraclePolicy:
         )
 
 
-class LocalPolicy:
+class LocalPolicy(_PolicyBase):
     name = "local"
-
-    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
-        self.self_id = self_id
 
     def decide(self, ctx: RouteContext) -> Decision:
         return _serve(f"{self.name}: always serve", local_cost_s(ctx))
 
 
-class _PickOnePolicy:
+class _PickOnePolicy(_PolicyBase):
     """Shared shape of the baselines that pick a target without looking at costs."""
 
     name = ""
-
-    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
-        self.config = config
-        self.rng = rng
-        self.self_id = self_id
 
     def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
         """(target, fallbacks-in-order before checking visited / hop budget)."""
