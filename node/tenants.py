@@ -44,7 +44,7 @@ request ids). A node *not* configured for a namespace (``TenantRegistry.lookup``
 
 Public namespaces use the same credentials; anyone can make them, which is the point.
 
-Pure code: standard library and ``inference.blocks`` only.
+Pure code: standard library, ``inference.blocks`` and ``overlay.privatefile`` only.
 """
 
 from __future__ import annotations
@@ -52,15 +52,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import os
 import re
-import stat
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixmesh.inference.blocks import derive_namespace_key, namespace_id
+from prefixmesh.overlay.privatefile import (
+    InsecureFileMode,
+    NotARegularFile,
+    OversizeFile,
+    PrivateFileNotFound,
+    PrivateFileUnreadable,
+    read_private_file,
+)
 
 __all__ = [
     "VISIBILITIES",
@@ -251,31 +257,29 @@ def default_tenant_specs() -> tuple[TenantSpec, ...]:
 
 
 def read_secret_file(path: Path) -> bytes:
-    """The secret in ``path``: trailing whitespace stripped; raises OSError/ValueError.
+    """The secret in ``path``: trailing whitespace stripped; raises ValueError.
 
     Refuses a file that is not regular, that group or others may access (like a key
-    file), that is empty, or that is larger than :data:`MAX_SECRET_BYTES`.
+    file), that is empty, or that is larger than :data:`MAX_SECRET_BYTES`; never follows
+    a symlink (see :func:`prefixmesh.overlay.privatefile.read_private_file`).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
+        content = read_private_file(path, MAX_SECRET_BYTES)
+    except PrivateFileNotFound:
         raise ValueError(f"{path}: file not found") from None
-    except OSError as exc:
+    except PrivateFileUnreadable as exc:
         raise ValueError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        if st.st_mode & 0o077:
-            raise ValueError(
-                f"{path}: readable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                f"fix with: chmod 600 {path}"
-            )
-        content = os.read(fd, MAX_SECRET_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(content) > MAX_SECRET_BYTES:
-        raise ValueError(f"{path}: more than {MAX_SECRET_BYTES} bytes; is this the right file?")
+    except NotARegularFile:
+        raise ValueError(f"{path}: not a regular file") from None
+    except InsecureFileMode as exc:
+        raise ValueError(
+            f"{path}: readable by group or others (mode {exc.mode:04o}); "
+            f"fix with: chmod 600 {path}"
+        ) from None
+    except OversizeFile:
+        raise ValueError(
+            f"{path}: more than {MAX_SECRET_BYTES} bytes; is this the right file?"
+        ) from None
     secret = content.rstrip(b" \t\r\n")
     if not secret:
         raise ValueError(f"{path}: file is empty")

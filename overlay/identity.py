@@ -27,7 +27,7 @@ seed. The file must be a regular file of at most :data:`MAX_KEY_FILE_BYTES` byte
 must grant group and others no access at all (mode 0600 or stricter); :func:`load_identity` refuses it
 otherwise, with an :class:`IdentityError` subclass naming the path and the problem.
 
-Pure code: imports ``cryptography`` only (no trio, libp2p or llama).
+Pure code: imports ``cryptography`` and :mod:`.privatefile` only (no trio, libp2p or llama).
 """
 
 from __future__ import annotations
@@ -36,13 +36,21 @@ import base64
 import binascii
 import json
 import os
-import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
+)
+
+from .privatefile import (
+    InsecureFileMode,
+    NotARegularFile,
+    OversizeFile,
+    PrivateFileNotFound,
+    PrivateFileUnreadable,
+    read_private_file,
 )
 
 __all__ = [
@@ -370,38 +378,27 @@ def load_identity(path: str | os.PathLike[str]) -> Identity:
     """
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
+        content = read_private_file(path, MAX_KEY_FILE_BYTES)
+    except PrivateFileNotFound:
         raise KeyFileNotFound(f"{path}: key file not found") from None
-    except OSError as exc:
+    except PrivateFileUnreadable as exc:
         raise InsecureKeyFile(f"{path}: cannot open key file: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InsecureKeyFile(f"{path}: key file is not a regular file")
-        if st.st_mode & 0o077:
-            raise InsecureKeyFile(
-                f"{path}: key file is accessible by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); fix with: chmod 600 {path}"
-            )
-        if st.st_size > MAX_KEY_FILE_BYTES:
+    except NotARegularFile:
+        raise InsecureKeyFile(f"{path}: key file is not a regular file") from None
+    except InsecureFileMode as exc:
+        raise InsecureKeyFile(
+            f"{path}: key file is accessible by group or others "
+            f"(mode {exc.mode:04o}); fix with: chmod 600 {path}"
+        ) from None
+    except OversizeFile as exc:
+        if exc.size is not None:
             raise OversizeKeyFile(
-                f"{path}: key file is {st.st_size} bytes, more than the "
+                f"{path}: key file is {exc.size} bytes, more than the "
                 f"{MAX_KEY_FILE_BYTES}-byte limit; is this the right file?"
-            )
-        chunks = []
-        remaining = MAX_KEY_FILE_BYTES + 1  # the file may grow after fstat
-        while remaining > 0:
-            chunk = os.read(fd, remaining)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        content = b"".join(chunks)
-    finally:
-        os.close(fd)
-    if len(content) > MAX_KEY_FILE_BYTES:
-        raise OversizeKeyFile(f"{path}: key file exceeds the {MAX_KEY_FILE_BYTES}-byte limit")
+            ) from None
+        raise OversizeKeyFile(
+            f"{path}: key file exceeds the {MAX_KEY_FILE_BYTES}-byte limit"
+        ) from None
     return _parse_key_file(content, path)
 
 
