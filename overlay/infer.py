@@ -75,10 +75,16 @@ log = logging.getLogger(__name__)
 
 #: ERROR codes from a next hop after which another node may still succeed ("duplicate":
 #: that node is already handling this request id, e.g. it got the first attempt of a
-#: fallback through another path; another node, or this one, can still serve it)
+#: fallback through another path; "unknown_namespace": the next hop does not serve the
+#: tenant - digests only list namespaces a peer has cached something in, so a shedding
+#: or baseline policy may pick a peer that does not; another node, or this one, can)
 RETRYABLE_CODES = frozenset(
-    {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed", "duplicate"}
+    {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed", "duplicate",
+     "unknown_namespace"}
 )
+#: how long a peer that answered "unknown_namespace" is not offered that namespace again
+NOT_SERVING_TTL_S = 60.0
+_MAX_NOT_SERVING = 4096
 _LOCAL = b""  # sentinel target: serve here
 
 
@@ -222,6 +228,8 @@ class InferService:
         self.closing = False
         self._inflight: set[trio.CancelScope] = set()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
+        # (peer, ns) -> until when: peers that said they do not serve a namespace
+        self._not_serving: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
         self._open_streams = 0
         self._streams_by_peer: dict[bytes, int] = {}
         self._rng = random.Random(int.from_bytes(os.urandom(8), "big"))
@@ -454,6 +462,8 @@ class InferService:
             est = self.index.estimate(peer)
             if peer in visited or est is None or est.model != model or not tenant.may_serve(peer):
                 continue
+            if self._is_not_serving(peer, req.ns):
+                continue
             all_peers.append(peer)
         eligible = set(all_peers)
         health = self.heartbeat.health
@@ -616,7 +626,10 @@ class InferService:
             )
             if target != _LOCAL:
                 failed.append(target)
-                if self.trust is not None:
+                if failure.startswith("unknown_namespace"):
+                    # not a fault: it just does not serve this tenant; skip it for a while
+                    self._mark_not_serving(target, req.ns)
+                elif self.trust is not None:
                     self.trust.observe_failure(target, time.monotonic())
                 extra_hops.append(
                     replace(
@@ -980,6 +993,22 @@ class InferService:
 
         return produce
 
+
+    def _mark_not_serving(self, peer: bytes, ns: bytes) -> None:
+        key = (peer, ns)
+        self._not_serving[key] = time.monotonic() + NOT_SERVING_TTL_S
+        self._not_serving.move_to_end(key)
+        while len(self._not_serving) > _MAX_NOT_SERVING:
+            self._not_serving.popitem(last=False)
+
+    def _is_not_serving(self, peer: bytes, ns: bytes) -> bool:
+        until = self._not_serving.get((peer, ns))
+        if until is None:
+            return False
+        if time.monotonic() >= until:
+            del self._not_serving[(peer, ns)]
+            return False
+        return True
 
     def _patience_s(self, ctx: RouteContext | None, c: Candidate | None) -> float:
         """How long to wait for a next hop's first frame: ``first_frame_factor`` x the

@@ -124,6 +124,18 @@ class Pty:
                     break
         raise AssertionError(f"{needle!r} not seen; output: {self.out[-2000:]!r}")
 
+    def wait_until(self, predicate, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.out):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met; output: {self.out[-2000:]!r}")
+            r, _, _ = select.select([self.fd], [], [], 0.1)
+            if r:
+                try:
+                    self.out += os.read(self.fd, 4096)
+                except OSError:
+                    break
+
     def write(self, data: bytes) -> None:
         os.write(self.fd, data)
 
@@ -153,7 +165,9 @@ def test_chat_in_a_terminal(node_addr):
     # a 512-token answer at 40 tokens/s takes ~13 s: Ctrl-C cancels it, not the chat
     term.write(b"tell me everything\n")
     at = term.wait_for(b"tell me everything\r\n", start=at)
-    term.wait_for(b" ", start=at)  # the first streamed piece
+    # the first streamed piece: any text after the echo other than the prompt (the pty
+    # may echo the typed line before the chat prints its next "> ", so not just " ")
+    term.wait_until(lambda out: out[at:].replace(b"> ", b"").strip() != b"")
     term.write(b"\x03")
     at = term.wait_for(b"(cancelled)", start=at)
     assert b"\x1b[2m(cancelled)\x1b[0m" in term.out  # faint on a tty

@@ -406,3 +406,48 @@ def test_slow_peer_is_abandoned_after_its_patience_and_served_elsewhere(tmp_path
             await _shutdown([a, b])
 
     trio.run(main)
+
+
+def test_peer_without_the_namespace_is_retried_around_and_remembered(tmp_path):
+    """Digests only list namespaces a peer has cached something in, so a policy may pick
+    a peer that does not serve the tenant (here: round-robin at A). Its "unknown_namespace"
+    is retryable: A serves the request itself, costs the peer no trust, and does not
+    offer that peer the namespace again for a while."""
+    from prefixmesh.node.tenants import TenantSpec
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            team = ('[tenants.team]\nsecret = "0123456789abcdef0123"\n'
+                    '[tenants.public]\nvisibility = "public"\n[routing]\npolicy = "round-robin"\n')
+            nodes = []
+            for i, text in enumerate((team, "")):
+                overrides = {
+                    "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
+                    "node.key_file": str(tmp_path / f"n{i}.key"),
+                    "node.bootstrap": [nodes[0].full_addrs()[0]] if nodes else None,
+                    "digest.interval_s": 0.3,
+                }
+                node = Node(load_config(None, overrides, text=text),
+                            NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
+                                        heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                            identity=Identity.generate(),
+                            backend=SimulatedBackend(prefill_tps=400.0))
+                await nursery.start(node.run)
+                nodes.append(node)
+            a, b = nodes
+            await _wait(lambda: a.heartbeat.is_up(b.identity.peer_id)
+                        and a.index.estimate(b.identity.peer_id) is not None)
+            spec = TenantSpec(name="team", secret=b"0123456789abcdef0123")
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                answers = [await ca.ask([("user", f"q{i}")], tenant=spec, max_tokens=1)
+                           for i in range(4)]
+            assert all(ans.final.serving == a.identity.peer_id for ans in answers)
+            tried_b = [ans for ans in answers if ans.final.hops[0].action == "fallback"]
+            assert len(tried_b) == 1, [[h.action for h in x.final.hops] for x in answers]
+            assert "unknown_namespace" in tried_b[0].final.hops[0].reason
+            assert a.infer._is_not_serving(b.identity.peer_id, a.tenants.by_name("team").ns_id)
+            record = a.infer.trust.record(b.identity.peer_id)
+            assert record is None or record.failures == 0
+            await _shutdown([a, b])
+
+    trio.run(main)
