@@ -14,6 +14,13 @@ libp2p stream framing). Exchange, as the real node's ``overlay/gossip.py`` runs 
 peers before opening an exchange at all; the simulator has no heartbeats, so its digest
 byte counts are an upper bound of the real node's.)
 
+Opt-in variants (``SimConfig.bucket_summaries`` / ``delta_summaries``, see
+``overlay/antientropy.py``): *buckets*: B answers a differing hash with its bucket hashes
+(message 7) instead of ``false``, A sends its entries of the differing buckets (8), B
+replies with records and its entries there (2), A sends records (3); *deltas*: messages
+1 and 2 become per-peer delta summaries (4, 5), and a responder that lacks the delta's
+base answers 6 (A then sends its whole summary as a 4).
+
 Every message is encoded (its length is what the simulator counts). With
 ``decode=False`` the receiver uses the object the sender encoded instead of decoding the
 bytes again: the codecs round-trip exactly (``decode_x(encode_x(v)) == v``, which
@@ -26,15 +33,26 @@ from __future__ import annotations
 
 from prefixmesh.overlay.antientropy import (
     AntiEntropy,
+    DeltaSummary,
+    ScopedSummary,
+    bucket_count,
+    decode_buckets,
+    decode_delta_reply,
+    decode_delta_summary,
+    decode_need_summary,
     decode_records,
     decode_reply,
+    decode_scoped_summary,
     decode_summary,
     decode_summary_hash,
+    encode_buckets,
+    encode_delta_reply,
+    encode_delta_summary,
+    encode_need_summary,
     encode_records,
     encode_reply,
-    encode_summary,
+    encode_scoped_summary,
     encode_summary_hash,
-    summary_hash,
 )
 from prefixmesh.overlay.digest import DigestRecord
 from prefixmesh.overlay.identity import Identity
@@ -42,67 +60,143 @@ from prefixmesh.overlay.identity import Identity
 __all__ = ["Message", "make_antientropy", "open_exchange", "handle"]
 
 HASH, HASH_ANSWER, SUMMARY, REPLY, RECORDS = 10, 11, 1, 2, 3
+DELTA_SUMMARY, DELTA_REPLY, NEED_SUMMARY = 4, 5, 6
+BUCKETS, SCOPED_SUMMARY = 7, 8
 
 
 class Message:
-    __slots__ = ("kind", "data", "nbytes", "value")
+    __slots__ = ("kind", "data", "nbytes", "value", "scope")
 
-    def __init__(self, kind: int, data: bytes, value: object = None) -> None:
+    def __init__(self, kind: int, data: bytes, value: object = None, scope=None) -> None:
         self.kind = kind
         self.data = data
         self.nbytes = len(data)
         self.value = value  # what was encoded (used when the receiver skips decoding)
+        # a reply to a scoped summary: the (k, buckets) the initiator chose, which a real
+        # initiator keeps in its exchange state (not on the wire)
+        self.scope = scope
 
 
 def make_antientropy(
-    identity: Identity, model_fp: bytes, *, now: float, ttl: float, refresh_interval: float
+    identity: Identity,
+    model_fp: bytes,
+    *,
+    now: float,
+    ttl: float,
+    refresh_interval: float,
+    min_record_interval: float = 0.0,
+    max_peer_views: int = 64,
+    compaction_ratio: float = 1.0,
 ) -> AntiEntropy:
     return AntiEntropy(
-        identity, model_fp, epoch=1, now=now, ttl=ttl, refresh_interval=refresh_interval
-    )
+        identity, model_fp, epoch=1, now=now, ttl=ttl, refresh_interval=refresh_interval,
+        min_record_interval=min_record_interval, max_peer_views=max_peer_views,
+        compaction_ratio=compaction_ratio,
+    )  # fmt: skip
 
 
-def open_exchange(ae: AntiEntropy, *, hash_check: bool = True) -> Message:
-    """The first message of an exchange started by ``ae``."""
-    summary = ae.summary()
+def _summary_message(ae: AntiEntropy, peer: bytes, delta: bool, full: bool = False) -> Message:
+    if not delta:
+        return Message(SUMMARY, ae.encoded_summary(), ae.summary())
+    d = ae.full_summary_for(peer) if full else ae.delta_summary_for(peer)
+    return Message(DELTA_SUMMARY, encode_delta_summary(d), d)
+
+
+def open_exchange(
+    ae: AntiEntropy, *, hash_check: bool = True, peer: bytes = b"", delta: bool = False
+) -> Message:
+    """The first message of an exchange started by ``ae`` with ``peer``.
+
+    ``delta``: summaries are per-peer deltas (messages 4-6) instead of full (1-2).
+    """
     if hash_check:
-        digest = summary_hash(summary)
+        digest = ae.summary_digest()
         return Message(HASH, encode_summary_hash(digest), digest)
-    return Message(SUMMARY, encode_summary(summary), summary)
+    return _summary_message(ae, peer, delta)
 
 
 def handle(
-    ae: AntiEntropy, msg: Message, now: float, budget_bytes: int, *, decode: bool = True
+    ae: AntiEntropy,
+    msg: Message,
+    now: float,
+    budget_bytes: int,
+    *,
+    decode: bool = True,
+    peer: bytes = b"",
+    delta: bool = False,
+    buckets: bool = False,
 ) -> tuple[Message | None, list[DigestRecord], list[bytes]]:
-    """Process ``msg`` at ``ae``: (reply or None, records applied, origins dropped)."""
-    if msg.kind == HASH:
+    """Process ``msg`` from ``peer`` at ``ae``: (reply or None, records applied, origins
+    dropped). ``buckets``: a responder answers a differing summary hash with its bucket
+    hashes (message 7) and the exchange compares only the differing buckets' entries."""
+    kind = msg.kind
+    if kind == HASH:
         theirs = decode_summary_hash(msg.data) if decode else msg.value
-        same = theirs == summary_hash(ae.summary())
+        same = theirs == ae.summary_digest()
+        if buckets and not same:
+            hashes = ae.bucket_hashes(bucket_count(ae.summary_size()))
+            return Message(BUCKETS, encode_buckets(hashes), hashes), [], []
         return Message(HASH_ANSWER, encode_summary_hash(same), same), [], []
-    if msg.kind == HASH_ANSWER:
+    if kind == BUCKETS:
+        theirs = decode_buckets(msg.data) if decode else msg.value
+        k = len(theirs)
+        ours = ae.bucket_hashes(k)
+        differ = tuple(i for i in range(k) if ours[i] != theirs[i])
+        if not differ:  # in sync after all (a record arrived meanwhile)
+            return None, [], []
+        scoped = ScopedSummary(k, differ, ae.scoped_summary(k, differ))
+        return Message(SCOPED_SUMMARY, encode_scoped_summary(scoped), scoped), [], []
+    if kind == SCOPED_SUMMARY:
+        sc: ScopedSummary = decode_scoped_summary(msg.data) if decode else msg.value
+        scope = (sc.k, sc.buckets)
+        raws = [r.raw for r in ae.records_for(sc.entries, budget_bytes, scope=scope)]
+        ours = ae.scoped_summary(sc.k, sc.buckets)
+        data = encode_reply(raws, ours)
+        return Message(REPLY, data, (raws, ours, frozenset()), scope=scope), [], []
+    if kind == HASH_ANSWER:
         in_sync = decode_summary_hash(msg.data) if decode else msg.value
         if in_sync is True:
             return None, [], []
-        return open_exchange(ae, hash_check=False), [], []
-    if msg.kind == SUMMARY:
+        return _summary_message(ae, peer, delta), [], []
+    if kind == NEED_SUMMARY:
+        if decode:
+            decode_need_summary(msg.data)
+        return _summary_message(ae, peer, True, full=True), [], []
+    if kind == SUMMARY:
         theirs = decode_summary(msg.data) if decode else msg.value
         records = ae.records_for(theirs, budget_bytes)
-        summary = ae.summary()
         raws = [r.raw for r in records]
-        data = encode_reply(raws, summary)
-        return Message(REPLY, data, (raws, summary, frozenset())), [], []
-    if msg.kind == REPLY:
+        data = ae.encode_reply(raws)
+        return Message(REPLY, data, (raws, ae.summary(), frozenset())), [], []
+    if kind == DELTA_SUMMARY:
+        d: DeltaSummary = decode_delta_summary(msg.data) if decode else msg.value
+        theirs = ae.peer_summary(peer, d)
+        if theirs is None:  # we do not hold its base: ask for the whole summary
+            return Message(NEED_SUMMARY, encode_need_summary()), [], []
+        raws = [r.raw for r in ae.records_for(theirs, budget_bytes)]
+        ours = ae.delta_summary_for(peer)
+        data = encode_delta_reply(raws, ours)
+        return Message(DELTA_REPLY, data, (raws, ours, frozenset())), [], []
+    if kind == REPLY or kind == DELTA_REPLY:
         if decode:
-            reply = decode_reply(msg.data)
+            if kind == REPLY:
+                reply = decode_reply(msg.data)
+            else:
+                reply = decode_delta_reply(msg.data)
             raws, summary, want = reply.records, reply.summary, reply.want_snapshots
         else:
             raws, summary, want = msg.value
         result = ae.receive(raws, now)
-        records = ae.records_for(summary, budget_bytes, want)
+        if kind == DELTA_REPLY:
+            # None: their base is not ours (a lost message): send nothing this time; their
+            # next delta to us fails its base check too and we ask for the whole summary
+            summary = ae.peer_summary(peer, summary)
         back = None
-        if records:
-            out = [r.raw for r in records]
-            back = Message(RECORDS, encode_records(out), out)
+        if summary is not None:
+            records = ae.records_for(summary, budget_bytes, want, scope=msg.scope)
+            if records:
+                out = [r.raw for r in records]
+                back = Message(RECORDS, encode_records(out), out)
         return back, result.applied, []
     result = ae.receive(decode_records(msg.data) if decode else msg.value, now)
     return None, result.applied, []

@@ -58,6 +58,12 @@ Routing improvements (node features: ``RoutingConfig`` in ``overlay/routing.py``
     and ``RoutingConfig(bound_placements=..., load_slack=...)`` switch them off for
     before/after comparisons.
 
+Digest knobs (issue 6, T7; off by default = what the node does today)
+    ``bucket_summaries`` (bucket hashes first, then only the differing buckets' entries),
+    ``delta_summaries`` (per-peer delta summaries), ``min_record_interval_s`` (batch own
+    deltas) and ``compaction_ratio`` (rarer compaction snapshots): see
+    ``overlay/antientropy.py``. :func:`measure_idle_digest` measures an idle swarm.
+
 Limits
     Memory and time grow with N x (records per node): N=1024 is fine for the convergence
     experiment (no requests), request simulations are meant for N <= 256.
@@ -136,6 +142,12 @@ class SimConfig:
     decode_messages: bool = False  # decode exchange messages (see bench/gossip.py)
     digest_ttl_s: float = 60.0
     refresh_interval_s: float = 20.0
+    # digest-rate knobs (AntiEntropy): at most one own delta per this many seconds (0:
+    # every gossip tick with changes), and per-peer delta summaries (bench/gossip.py)
+    min_record_interval_s: float = 0.0
+    delta_summaries: bool = False
+    bucket_summaries: bool = False  # answer a differing summary hash with bucket hashes
+    compaction_ratio: float = 1.0  # own snapshot when the deltas since outweigh it this much
     warmup_s: float | None = None  # gossip before the first request; None: 3 intervals
     max_hops: int | None = None  # None: 1 for pick-one baselines, 2 otherwise
     shed_candidates: int = 2  # random extra peers offered to prefixmesh (load shedding)
@@ -329,6 +341,8 @@ class Simulator:
         n.ae = _gossip.make_antientropy(
             n.ident, MODEL_FP, now=0.0, ttl=cfg.digest_ttl_s,
             refresh_interval=cfg.refresh_interval_s,
+            min_record_interval=cfg.min_record_interval_s,
+            compaction_ratio=cfg.compaction_ratio,
         )  # fmt: skip
         n.index = PeerCacheIndex()
         n.policy = make_policy(
@@ -685,7 +699,9 @@ class Simulator:
         k = min(cfg.gossip_fanout, n - 1)
         for j in self.rng_gossip.sample(range(n - 1), k):
             peer = self.nodes[j if j < node.idx else j + 1]
-            self._send(node, peer, _gossip.open_exchange(node.ae))
+            self._send(
+                node, peer, _gossip.open_exchange(node.ae, peer=peer.pid, delta=cfg.delta_summaries)
+            )
         self._push(now + cfg.gossip_interval_s, _EV_GOSSIP, node)
 
     def _lie(self, node: _Node) -> None:
@@ -708,9 +724,11 @@ class Simulator:
 
     def _message(self, pair: tuple[_Node, _Node], msg: _gossip.Message) -> None:
         src, dst = pair
+        cfg = self.cfg
         reply, applied, dropped = _gossip.handle(
-            dst.ae, msg, self.now, self.cfg.gossip_budget_bytes, decode=self.cfg.decode_messages
-        )
+            dst.ae, msg, self.now, cfg.gossip_budget_bytes, decode=cfg.decode_messages,
+            peer=src.pid, delta=cfg.delta_summaries, buckets=cfg.bucket_summaries,
+        )  # fmt: skip
         for record in applied:
             if record.origin != dst.pid:
                 dst.index.apply(record, self.now)
@@ -776,6 +794,9 @@ def measure_convergence(
     delay_ms: float = 2.0,
     seed: int = 0,
     max_intervals: float = 60.0,
+    delta_summaries: bool = False,
+    min_record_interval_s: float = 0.0,
+    bucket_summaries: bool = False,
 ) -> dict:
     """Time for a new prefix cached at one node to be known to all others (no requests).
 
@@ -786,7 +807,8 @@ def measure_convergence(
     wl = Workload("convergence", [], "none")
     cfg = SimConfig(
         nodes=nodes, policy="local", delay_ms=delay_ms, gossip_interval_s=interval_s,
-        gossip_fanout=fanout, seed=seed,
+        gossip_fanout=fanout, seed=seed, delta_summaries=delta_summaries,
+        min_record_interval_s=min_record_interval_s, bucket_summaries=bucket_summaries,
     )  # fmt: skip
     sim = Simulator(wl, cfg)
     wall0 = time.perf_counter()
@@ -867,6 +889,76 @@ def measure_convergence(
     }
 
 
+def measure_idle_digest(
+    nodes: int,
+    *,
+    duration_s: float = 120.0,
+    fanout: int = 3,
+    interval_s: float = 1.0,
+    prefixes_per_node: int = 20,
+    seed: int = 0,
+    delta_summaries: bool = False,
+    min_record_interval_s: float = 0.0,
+    bucket_summaries: bool = False,
+    compaction_ratio: float = 1.0,
+    refresh_interval_s: float = 20.0,
+    digest_ttl_s: float = 60.0,
+) -> dict:
+    """Digest bytes/s per node of an idle, converged swarm (no requests).
+
+    Every node caches ``prefixes_per_node`` distinct 16-block prefixes, all nodes start
+    converged (pre-seeded as in :func:`measure_convergence`), then gossip runs for
+    ``duration_s``; only the second half is counted, so the cost is that of refresh
+    records and of the summaries they make differ.
+    """
+    wl = Workload("idle", [], "none")
+    cfg = SimConfig(
+        nodes=nodes, policy="local", gossip_interval_s=interval_s, gossip_fanout=fanout,
+        seed=seed, delta_summaries=delta_summaries, min_record_interval_s=min_record_interval_s,
+        bucket_summaries=bucket_summaries, compaction_ratio=compaction_ratio,
+        refresh_interval_s=refresh_interval_s, digest_ttl_s=digest_ttl_s,
+    )  # fmt: skip
+    sim = Simulator(wl, cfg)
+    wall0 = time.perf_counter()
+    rng = random.Random(seed + 2)
+    with memoised_record_decoding():
+        for n in sim.nodes:
+            for _ in range(prefixes_per_node):
+                tokens = tuple(rng.randrange(50_000) for _ in range(16 * 16))
+                n.ae.local_add_prefix(sim.ns, chain_hashes(sim.ns_key, tokens))
+            n.ae.tick(0.0)
+        own = [[s.raw for s in n.ae.held_records(n.pid)] for n in sim.nodes]
+        for n in sim.nodes:
+            raws = [raw for j, rs in enumerate(own) if j != n.idx for raw in rs]
+            for record in n.ae.receive(raws, 0.0).applied:
+                n.index.apply(record, 0.0)
+            sim._push(sim.rng_gossip.uniform(0, interval_s), _EV_GOSSIP, n)
+        half = duration_s / 2
+        bytes_half = None
+        while sim.heap and sim.heap[0][0] <= duration_s:
+            t, _, kind, a, b = heapq.heappop(sim.heap)
+            if bytes_half is None and t > half:
+                bytes_half = sum(n.bytes_sent for n in sim.nodes)
+            sim.now = t
+            if kind == _EV_GOSSIP:
+                sim._gossip(a)
+            elif kind == _EV_MSG:
+                sim._message(a, b)
+        total = sum(n.bytes_sent for n in sim.nodes)
+    return {
+        "nodes": nodes,
+        "fanout": fanout,
+        "interval_s": interval_s,
+        "delta_summaries": delta_summaries,
+        "bucket_summaries": bucket_summaries,
+        "min_record_interval_s": min_record_interval_s,
+        "compaction_ratio": compaction_ratio,
+        "refresh_interval_s": refresh_interval_s,
+        "digest_bytes_per_node_s": (total - (bytes_half or 0)) / nodes / (duration_s - half),
+        "wall_s": time.perf_counter() - wall0,
+    }
+
+
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -894,6 +986,15 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-capacity-mb", type=float, default=d.kv_capacity_bytes / 2**20)
     p.add_argument("--gossip-interval", type=float, default=d.gossip_interval_s)
     p.add_argument("--fanout", type=int, default=d.gossip_fanout)
+    p.add_argument("--min-record-interval", type=float, default=d.min_record_interval_s,
+                   help="at most one own digest delta per this many seconds (0: every tick)")
+    p.add_argument("--compaction-ratio", type=float, default=d.compaction_ratio,
+                   help="issue an own snapshot when the deltas since the last outweigh it "
+                        "this many times")
+    p.add_argument("--delta-summaries", action="store_true",
+                   help="per-peer delta summaries in anti-entropy exchanges")
+    p.add_argument("--bucket-summaries", action="store_true",
+                   help="compare bucket hashes first, then only the differing buckets' entries")
     p.add_argument("--max-hops", type=int, default=None)
     p.add_argument("--liars", type=float, default=0.0, help="fraction of lying nodes")
     p.add_argument("--trust-feedback", action="store_true",
@@ -925,6 +1026,10 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         kv_capacity_bytes=int(ns.kv_capacity_mb * 2**20),
         gossip_interval_s=ns.gossip_interval,
         gossip_fanout=ns.fanout,
+        min_record_interval_s=ns.min_record_interval,
+        delta_summaries=ns.delta_summaries,
+        bucket_summaries=ns.bucket_summaries,
+        compaction_ratio=ns.compaction_ratio,
         max_hops=ns.max_hops,
         liar_fraction=ns.liars,
         trust_feedback=ns.trust_feedback,

@@ -17,6 +17,9 @@ Experiments (each writes ``<out>/sim_<name>.csv``; plots go to ``--plots`` (defa
                  to all nodes, vs the bound 2 ln(N+1)/fanout + 2 intervals; digest bytes/s.
 ``digest``       N=64: digest bytes/s and hits vs gossip interval and fanout.
 ``speed``        simulated requests per wall-clock minute at N=64.
+``t7``           digest bytes/s per node (idle and at 0.5 req/s per node) and hits for
+                 the anti-entropy variants: full summaries, bucketed summaries, per-peer
+                 delta summaries, and the digest-rate knobs; N in {4, 64, 256}.
 ``liars``        N=64, 0 / 10 % / 30 % lying peers: hit ratio per policy.
 ``sharegpt``     multi-turn chat (needs the internal ShareGPT file), N=8.
 ``targets``      the prefixmesh targets re-run at the node's default 9 GiB KV budget.
@@ -38,7 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .sim import SimConfig, measure_convergence, simulate
+from .sim import SimConfig, measure_convergence, measure_idle_digest, simulate
 from .workloads import Workload, WorkloadError, load_workload, synthetic_workload
 
 __all__ = ["EXPERIMENTS", "run_sweep", "main"]
@@ -344,6 +347,51 @@ def exp_ski(ctx: Ctx) -> list[dict]:
                 rows.append(_run(ctx, "ski", wl, label, cfg, kv_capacity_mib=mib))
     return rows
 
+# (label, SimConfig overrides) of the T7 experiment
+T7_VARIANTS = [
+    ("full summaries", {}),
+    ("per-peer deltas", {"delta_summaries": True}),
+    ("buckets", {"bucket_summaries": True}),
+    ("compaction 4", {"compaction_ratio": 4.0}),
+    ("batch 5 s", {"min_record_interval_s": 5.0}),
+    ("buckets + compaction 4 + batch 5 s",
+     {"bucket_summaries": True, "compaction_ratio": 4.0, "min_record_interval_s": 5.0}),
+    ("same + refresh 60 s / TTL 180 s",
+     {"bucket_summaries": True, "compaction_ratio": 4.0, "min_record_interval_s": 5.0,
+      "refresh_interval_s": 60.0, "digest_ttl_s": 180.0}),
+    ("buckets + compaction 4 + batch 5 s + fanout 1",
+     {"bucket_summaries": True, "compaction_ratio": 4.0, "min_record_interval_s": 5.0,
+      "gossip_fanout": 1}),
+]  # fmt: skip
+_T7_IDLE_KEYS = ("delta_summaries", "bucket_summaries", "min_record_interval_s",
+                 "compaction_ratio", "refresh_interval_s", "digest_ttl_s")  # fmt: skip
+
+
+def exp_t7(ctx: Ctx) -> list[dict]:
+    """T7: digest bytes/s per node, idle and under load, per anti-entropy variant."""
+    rows = []
+    sizes = [4, 8] if ctx.quick else [4, 64, 256]
+    for n in sizes:
+        for label, knobs in T7_VARIANTS:
+            idle_knobs = {k: v for k, v in knobs.items() if k in _T7_IDLE_KEYS}
+            if len(idle_knobs) != len(knobs):
+                continue  # the idle harness has no fanout knob
+            r = measure_idle_digest(n, duration_s=60.0 if ctx.quick else 360.0,
+                                    seed=ctx.ns.seed, **idle_knobs)  # fmt: skip
+            rows.append({"experiment": "t7", "mode": "idle", "label": label, "nodes": n,
+                         "digest_Bps_per_node": round(r["digest_bytes_per_node_s"], 1)})
+            ctx.log(f"t7 idle N={n} {label}: {rows[-1]['digest_Bps_per_node']} B/s")
+        big = n >= 256
+        for label, knobs in T7_VARIANTS:
+            if big and label not in ("full summaries", "buckets + compaction 4 + batch 5 s",
+                                     "same + refresh 60 s / TTL 180 s"):
+                continue  # N=256 request runs take minutes each
+            wl = ctx.workload("mmlu-gen", _n(ctx, max(4000, 40 * n)), alpha=1.0,
+                              rate=PER_NODE_RATE * n)  # fmt: skip
+            cfg = SimConfig(nodes=n, policy="prefixmesh", seed=ctx.ns.seed, **knobs)
+            rows.append(_run(ctx, "t7", wl, label, cfg, mode="load"))
+    return rows
+
 
 EXPERIMENTS: dict[str, Callable[[Ctx], list[dict]]] = {
     "delay": exp_delay,
@@ -354,6 +402,7 @@ EXPERIMENTS: dict[str, Callable[[Ctx], list[dict]]] = {
     "scale": exp_scale,
     "convergence": exp_convergence,
     "speed": exp_speed,
+    "t7": exp_t7,
     "liars": exp_liars,
     "sharegpt": exp_sharegpt,
     "targets": exp_targets,
@@ -549,6 +598,9 @@ def write_summary(out: Path, plots: Path, command: str) -> Path:
                     "latency_mean_s", "false_hit_rate", "load_imbalance"]),
         "speed": ("Simulator speed (one core, N=64, prefixmesh)",
                   ["nodes", "rate_per_node", "requests", "wall_s", "req_per_wall_min"]),
+        "t7": ("T7: digest traffic per anti-entropy variant (0.5 req/s per node under load)",
+               ["mode", "nodes", "label", "digest_Bps_per_node", "hit_ratio",
+                "hit_vs_ideal"]),
         "targets": ("Targets at the node's default KV budget (1 GiB RAM + 8 GiB disk = 9 GiB)",
                     ["target", "label", "nodes", "rtt_ms", "requests", "hit_ratio",
                      "hit_vs_ideal", "latency_mean_s", "latency_p99_s", "load_imbalance",

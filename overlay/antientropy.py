@@ -80,6 +80,38 @@ record byte strings; ``want_snapshots`` an array of origins. Decoders are bounde
 record decoding (size first, strict CBOR scan) and raise :class:`MalformedMessage` /
 :class:`OversizeMessage`.
 
+Cheaper exchanges (opt-in; the 3-message exchange above is unchanged)
+-----------------------------------------------------------------------
+The summary is kept incrementally (every change of an origin's (epoch, seq) goes through
+one method) with each entry's canonical CBOR cached, so ``summary_digest()``,
+``encoded_summary()`` and ``encode_reply()`` cost O(1) while nothing changed and are
+byte-identical to ``summary_hash``/``encode_summary``/``encode_reply`` of ``summary()``;
+``records_for`` looks only at origins whose (epoch, seq) differ from the peer's.
+
+*Bucketed summaries* (messages 7-8): when the opening summary hash differs, the responder
+answers with ``k`` 4-byte bucket hashes (``k = bucket_count(origins held)``, about one
+origin per bucket; bucket = low bits of the origin id; hash = XOR of the 4-byte hashes of
+the bucket's entries), the initiator sends only its entries of the differing buckets
+(:class:`ScopedSummary`), and both sides run ``records_for(..., scope=(k, buckets))`` and
+reply with their entries of those buckets only. Same message count as the hash-opened
+exchange; summaries shrink from ~45 bytes per origin to ~4 per origin plus ~45 per
+*differing* origin. A bucket collision (2^-32 per differing bucket) only delays that
+origin to a later exchange.
+
+*Per-peer delta summaries* (messages 4-6): a summary sent to a peer lists only origins
+changed since the last summary we told it, against a base named by its summary hash; the
+receiver patches the view it holds under that hash (LRU of ``max_peer_views`` peers) or
+answers ``[6]`` (send the whole summary) when it does not hold it, so a lost message
+costs one full summary, never a wrong view. Entries are untrusted like a full summary:
+validated by the decoder, and a patched view is bounded by :data:`MAX_SUMMARY_ENTRIES`.
+Helps only when the same pair meets again before most origins changed (rare under random
+peer choice; docs/bench/sim.md has the numbers).
+
+*Digest-rate knobs*: ``min_record_interval`` batches own changes into at most one delta per
+interval; ``compaction_ratio`` issues a compaction snapshot only when the deltas since the
+last one outweigh it that many times (1.0: the historical rule; a snapshot is re-sent to
+every node, so at ratio r snapshots are ~1/(1+r) of the record bytes instead of ~1/2).
+
 Limits (module constants)
 -------------------------
 - :data:`MAX_ORIGINS` = 1024 remote origins held; records of further new origins are
@@ -91,6 +123,8 @@ Limits (module constants)
   hostile identities each publishing maximal chains; honest nodes with 1,000 cached
   prefixes hold a few tens of KiB each (see bench/micro_core_digest.py).
 - :data:`MAX_ADVERTISED_HASHES` = 65,536 local hashes (a 16-record snapshot chain).
+- :data:`MAX_BUCKETS` = 4096 bucket hashes per message 7; :data:`MAX_PEER_VIEWS` = 64
+  peers' delta-summary state by default (each a summary: O(origins)).
 - :data:`MAX_MESSAGE_BYTES` = 8 MiB, :data:`MAX_RECORDS_PER_MESSAGE` = 4096,
   :data:`MAX_SUMMARY_ENTRIES` = 4096, :data:`MAX_SNAPSHOT_REQUESTS` = 4096, and
   :data:`MAX_MESSAGE_ITEMS` CBOR items in all (bounds the scan cost of hostile input).
@@ -100,10 +134,12 @@ Pure code: time and randomness come in as arguments; no trio, libp2p or llama im
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 import cbor2
 
@@ -147,6 +183,30 @@ __all__ = [
     "decode_summary_hash",
     "MSG_REPLY",
     "MSG_RECORDS",
+    "MSG_DELTA_SUMMARY",
+    "MSG_DELTA_REPLY",
+    "MSG_NEED_SUMMARY",
+    "MAX_PEER_VIEWS",
+    "MSG_BUCKETS",
+    "MSG_SCOPED_SUMMARY",
+    "MAX_BUCKETS",
+    "bucket_count",
+    "bucket_of",
+    "ScopedSummary",
+    "encode_buckets",
+    "decode_buckets",
+    "encode_scoped_summary",
+    "decode_scoped_summary",
+    "peek_message_type",
+    "FULL_BASE",
+    "DeltaSummary",
+    "DeltaReply",
+    "encode_delta_summary",
+    "decode_delta_summary",
+    "encode_need_summary",
+    "decode_need_summary",
+    "encode_delta_reply",
+    "decode_delta_reply",
     "AntiEntropy",
     "ReceiveResult",
     "ExchangeReply",
@@ -179,6 +239,15 @@ MAX_MESSAGE_ITEMS = 8 + MAX_RECORDS_PER_MESSAGE + 4 * MAX_SUMMARY_ENTRIES + MAX_
 MSG_SUMMARY = 1
 MSG_REPLY = 2
 MSG_RECORDS = 3
+MSG_DELTA_SUMMARY = 4
+MSG_DELTA_REPLY = 5
+MSG_NEED_SUMMARY = 6
+MAX_PEER_VIEWS = 64
+MSG_BUCKETS = 7
+MSG_SCOPED_SUMMARY = 8
+MAX_BUCKETS = 4096
+BUCKET_HASH_BYTES = 4
+_MAX_CACHED_BUCKET_COUNTS = 4  # bucket counts whose hashes are kept current
 
 Summary = dict[bytes, tuple[int, int]]
 
@@ -304,11 +373,16 @@ class AntiEntropy:
         refresh_interval: float = 20.0,
         addrs: Sequence[str] = (),
         max_clock_skew: float = 30.0,
+        min_record_interval: float = 0.0,
+        max_peer_views: int = MAX_PEER_VIEWS,
+        compaction_ratio: float = 1.0,
     ):
         if not 0 < ttl <= MAX_TTL_S:
             raise ValueError(f"ttl must be in (0, {MAX_TTL_S}]")
         if not 0 < refresh_interval < ttl:
             raise ValueError("refresh_interval must be positive and shorter than ttl")
+        if not 0 <= min_record_interval < refresh_interval:
+            raise ValueError("min_record_interval must be in [0, refresh_interval)")
         if not 0 <= epoch <= MAX_UINT:
             raise ValueError("epoch out of range")
         self.identity = identity
@@ -316,6 +390,17 @@ class AntiEntropy:
         self.model_fp = bytes(model_fp)
         self.ttl = float(ttl)
         self.refresh_interval = float(refresh_interval)
+        self.min_record_interval = float(min_record_interval)
+        if not 0 < compaction_ratio <= 64:
+            raise ValueError("compaction_ratio must be in (0, 64]")
+        self.compaction_ratio = float(compaction_ratio)
+        if max_peer_views < 0:
+            raise ValueError("max_peer_views must be >= 0")
+        self.max_peer_views = max_peer_views
+        # per-peer delta summaries (LRU, at most max_peer_views each): what we last told a
+        # peer our summary was (stamp, hash), and the last summary we know of a peer's
+        self._told: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._views: OrderedDict[bytes, tuple[bytes, Summary]] = OrderedDict()
         self.max_clock_skew = float(max_clock_skew)
         self.addrs = tuple(addrs)
         self.epoch = epoch
@@ -333,11 +418,225 @@ class AntiEntropy:
         # record streams: own and remote
         self._logs: dict[bytes, _OriginLog] = {}
         self._held_raws: set[bytes] = set()
+        # The summary, kept incrementally (every change goes through _touch/_untouch), with
+        # per-origin change stamps in change order (oldest first) for per-peer deltas, and
+        # the canonical CBOR of each entry and of the whole list, cached until they change.
+        self._summary: Summary = {}
+        self._stamp = 0
+        self._changed_at: dict[bytes, int] = {}
+        self._removed_at = 0  # stamp of the latest origin removal
+        self._entry_cbor: dict[bytes, bytes] = {}
+        self._sorted_origins: list[bytes] | None = None
+        self._list_cbor: bytes | None = None
+        self._digest: bytes | None = None
+        self._entry_hash: dict[bytes, int] = {}  # origin -> 4-byte hash of its entry
+        self._buckets: dict[int, list[int]] = {}  # k -> bucket hashes (until a change)
         self._next_seq = 0
         self._base_bytes = 0  # bytes of our latest snapshot chain
         self._last_issued_at = now
         self._force_snapshot = True
         self.tick(now)
+
+    # --- the summary, kept incrementally --------------------------------------------------
+
+    def _touch(self, origin: bytes) -> None:
+        """Record that ``origin``'s (epoch, last seq) changed."""
+        log = self._logs[origin]
+        version = (log.epoch, log.records[-1].record.seq)
+        if self._summary.get(origin) == version:
+            return
+        if origin not in self._summary:
+            self._sorted_origins = None
+        self._summary[origin] = version
+        self._stamp += 1
+        self._changed_at.pop(origin, None)
+        self._changed_at[origin] = self._stamp  # re-inserted: dict order = change order
+        self._entry_cbor.pop(origin, None)  # re-encoded when next needed
+        old_h = self._entry_hash.pop(origin, None)
+        self._list_cbor = self._digest = None
+        if self._buckets:  # keep the cached bucket hashes current: XOR the entry out and in
+            new_h = self._hash_entry(origin, version)
+            key = _bucket_key(origin)
+            for k, hashes in self._buckets.items():
+                hashes[key & (k - 1)] ^= new_h if old_h is None else new_h ^ old_h
+
+    def _untouch(self, origin: bytes) -> None:
+        """Record that ``origin`` is no longer held."""
+        if self._summary.pop(origin, None) is None:
+            return
+        self._stamp += 1
+        self._removed_at = self._stamp
+        self._changed_at.pop(origin, None)
+        self._entry_cbor.pop(origin, None)
+        old_h = self._entry_hash.pop(origin, None)
+        self._sorted_origins = None
+        self._list_cbor = self._digest = None
+        if old_h is not None:
+            key = _bucket_key(origin)
+            for k, hashes in self._buckets.items():
+                hashes[key & (k - 1)] ^= old_h
+        else:
+            self._buckets.clear()
+
+    def _summary_list_cbor(self) -> bytes:
+        """Canonical CBOR of the summary's entry array (cached until it changes)."""
+        if self._list_cbor is None:
+            if self._sorted_origins is None:
+                self._sorted_origins = sorted(self._summary)
+            entry = self._entry_cbor
+            if len(entry) < len(self._summary):
+                for o, version in self._summary.items():
+                    if o not in entry:
+                        entry[o] = _entry_cbor(o, version)
+            self._list_cbor = _cbor_head(4, len(self._sorted_origins)) + b"".join(
+                [entry[o] for o in self._sorted_origins]
+            )
+        return self._list_cbor
+
+    def encoded_summary(self) -> bytes:
+        """Message 1 for our summary: the bytes of ``encode_summary(self.summary())``,
+        built from cached per-origin encodings."""
+        if len(self._summary) > MAX_SUMMARY_ENTRIES:
+            raise OversizeMessage(
+                f"summary of {len(self._summary)} entries exceeds {MAX_SUMMARY_ENTRIES}"
+            )
+        return _MSG_SUMMARY_PREFIX + self._summary_list_cbor()
+
+    def summary_digest(self) -> bytes:
+        """``summary_hash(self.summary())``, cached until the summary changes."""
+        if self._digest is None:
+            self._digest = hashlib.blake2b(
+                self.encoded_summary(), digest_size=SUMMARY_HASH_BYTES
+            ).digest()
+        return self._digest
+
+    def encode_reply(
+        self, records: Iterable[SignedRecord | bytes], want_snapshots: Iterable[bytes] = ()
+    ) -> bytes:
+        """Message 2 carrying our summary: the bytes of
+        ``encode_reply(records, self.summary(), want_snapshots)``, without re-encoding
+        the summary."""
+        raws = _raws(records)
+        want = sorted(set(want_snapshots))
+        _check_reply_bounds(len(raws), len(self._summary), len(want))
+        data = b"".join(
+            (
+                _REPLY_PREFIX,
+                cbor2.dumps(raws, canonical=True),
+                self._summary_list_cbor(),
+                cbor2.dumps(want, canonical=True),
+            )
+        )
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise OversizeMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        return data
+
+    # --- bucketed summaries ------------------------------------------------------------------
+
+    def bucket_hashes(self, k: int) -> list[int]:
+        """Our summary split into ``k`` buckets by origin (:func:`bucket_of`): per bucket
+        the XOR of the 4-byte hashes of its entries (0 when empty). Equal buckets on two
+        nodes mean equal entries (up to a 2^-32 chance per differing bucket), so an
+        exchange needs to compare only the entries of the buckets that differ."""
+        cached = self._buckets.get(k)
+        if cached is not None:
+            return list(cached)
+        if not (0 < k <= MAX_BUCKETS and k & (k - 1) == 0):
+            raise ValueError(f"bucket count must be a power of two <= {MAX_BUCKETS}")
+        out = [0] * k
+        eh = self._entry_hash
+        mask = k - 1
+        for origin, version in self._summary.items():
+            h = eh.get(origin)
+            if h is None:
+                h = self._hash_entry(origin, version)
+            out[_bucket_key(origin) & mask] ^= h
+        if len(self._buckets) >= _MAX_CACHED_BUCKET_COUNTS:
+            self._buckets.pop(next(iter(self._buckets)))
+        self._buckets[k] = out  # kept current by _touch/_untouch from now on
+        return list(out)
+
+    def _hash_entry(self, origin: bytes, version: tuple[int, int]) -> int:
+        cbor = self._entry_cbor.get(origin) or _entry_cbor(origin, version)
+        h = self._entry_hash[origin] = int.from_bytes(
+            hashlib.blake2b(cbor, digest_size=BUCKET_HASH_BYTES).digest(), "big"
+        )
+        return h
+
+    def summary_size(self) -> int:
+        """Number of origins held, our own included (``len(self.summary())``)."""
+        return len(self._summary)
+
+    def scoped_summary(self, k: int, buckets: Iterable[int]) -> Summary:
+        """Our summary's entries whose origins fall in ``buckets`` (of ``k``)."""
+        wanted = set(buckets)
+        mask = k - 1
+        return {o: v for o, v in self._summary.items() if _bucket_key(o) & mask in wanted}
+
+    # --- per-peer delta summaries ---------------------------------------------------------
+
+    def delta_summary_for(self, peer: bytes) -> DeltaSummary:
+        """Our summary as a delta against what we last told ``peer`` (or in full).
+
+        The delta lists the origins whose (epoch, seq) changed since then; ``base`` is the
+        hash of the summary it patches (:data:`FULL_BASE`: none, the entries are the whole
+        summary). It is a full summary when we have told ``peer`` nothing yet (or forgot:
+        LRU), or an origin was dropped since (a delta cannot express removals). Records
+        the summary as told: if the message is lost, the peer's next base check fails and
+        it asks for the full summary (:func:`encode_need_summary`).
+        """
+        new_hash = self.summary_digest()
+        told = self._told.get(peer)
+        if told is None or self._removed_at > told[0]:
+            delta = DeltaSummary(FULL_BASE, new_hash, dict(self._summary))
+        else:
+            since = told[0]
+            entries: Summary = {}
+            for origin in reversed(self._changed_at):
+                if self._changed_at[origin] <= since:
+                    break
+                entries[origin] = self._summary[origin]
+            delta = DeltaSummary(told[1], new_hash, entries)
+        self._remember(self._told, peer, (self._stamp, new_hash))
+        return delta
+
+    def full_summary_for(self, peer: bytes) -> DeltaSummary:
+        """Our whole summary as a :class:`DeltaSummary` (the answer to a need-summary)."""
+        self._told.pop(peer, None)
+        return self.delta_summary_for(peer)
+
+    def peer_summary(self, peer: bytes, delta: DeltaSummary) -> Summary | None:
+        """The full summary of ``peer`` that ``delta`` describes, or None when we do not
+        hold its base (ask for the full summary then). The entries are the peer's claims,
+        as untrusted as a full summary: validated by the decoder and bounded here by
+        :data:`MAX_SUMMARY_ENTRIES` in all (:class:`OversizeMessage`)."""
+        if delta.base == FULL_BASE:
+            view = dict(delta.entries)
+        else:
+            held = self._views.pop(peer, None)
+            if held is None or held[0] != delta.base:
+                return None
+            view = held[1]  # ours alone: patched in place
+            view.update(delta.entries)
+            if len(view) > MAX_SUMMARY_ENTRIES:
+                raise OversizeMessage(
+                    f"patched summary of {len(view)} entries exceeds {MAX_SUMMARY_ENTRIES}"
+                )
+        self._remember(self._views, peer, (delta.new, view))
+        return dict(view)
+
+    def forget_peer(self, peer: bytes) -> None:
+        """Drop the per-peer delta state of ``peer`` (the next summaries are full)."""
+        self._told.pop(peer, None)
+        self._views.pop(peer, None)
+
+    def _remember(self, table: OrderedDict, peer: bytes, value: object) -> None:
+        if self.max_peer_views == 0:
+            return
+        table[peer] = value
+        table.move_to_end(peer)
+        while len(table) > self.max_peer_views:
+            table.popitem(last=False)
 
     # --- local cache -------------------------------------------------------------------
 
@@ -425,20 +724,22 @@ class AntiEntropy:
         """Issue our own records that are due at ``now``; returns them (oldest first).
 
         Due: a snapshot (chain) at start, after an epoch bump, or when compaction is due;
-        otherwise deltas for pending changes; otherwise a refresh every
+        otherwise deltas for pending changes, at most once per ``min_record_interval``
+        (changes made meanwhile are batched into one delta); otherwise a refresh every
         ``refresh_interval``.
         """
         if self._force_snapshot:
             return self._issue_snapshot(now)
         pending = self._has_pending()
-        if not pending and now - self._last_issued_at < self.refresh_interval:
-            return []
+        since = now - self._last_issued_at
+        if since < (self.min_record_interval if pending else self.refresh_interval):
+            return []  # nothing due; pending changes wait for the batching interval
         own = self._logs[self.peer_id]
         tail_bytes = own.n_bytes - self._base_bytes
         n_deltas = len(own.records) - 1
         estimate = self._estimate_delta_bytes()
         if (
-            tail_bytes + estimate > self._base_bytes
+            tail_bytes + estimate > self.compaction_ratio * self._base_bytes
             or n_deltas + 1 > MAX_DELTAS_PER_ORIGIN // 2
             or own.n_bytes + estimate > MAX_ORIGIN_BYTES // 2
         ):
@@ -529,6 +830,7 @@ class AntiEntropy:
         else:
             self._logs[self.peer_id].append(signed)
         self._held_raws.add(signed.raw)
+        self._touch(self.peer_id)
         self.stats["records_issued"] += 1
         self.stats["bytes_issued"] += len(signed.raw)
         return signed
@@ -537,7 +839,7 @@ class AntiEntropy:
 
     def summary(self) -> Summary:
         """origin -> (epoch, last seq held), including our own stream."""
-        return {origin: (log.epoch, log.last_seq) for origin, log in self._logs.items()}
+        return dict(self._summary)
 
     def origins(self) -> list[bytes]:
         """Remote origins currently held."""
@@ -553,11 +855,28 @@ class AntiEntropy:
         peer_summary: Mapping[bytes, tuple[int, int]],
         budget_bytes: int,
         want_snapshots: Iterable[bytes] = (),
+        scope: tuple[int, Iterable[int]] | None = None,
     ) -> list[SignedRecord]:
-        """The records a peer with ``peer_summary`` lacks, within ``budget_bytes``."""
+        """The records a peer with ``peer_summary`` lacks, within ``budget_bytes``.
+
+        ``scope=(k, buckets)``: the peer's summary covers only the origins in those
+        buckets (a :class:`ScopedSummary`); origins outside them are left out."""
         want = set(want_snapshots)
+        logs = self._logs
+        try:
+            # origins whose (epoch, seq) differ from the peer's, in C: the common case is
+            # that most are equal, and those need no further look
+            differ = {o for o, _ in self._summary.items() - peer_summary.items()}
+        except TypeError:  # unhashable values in a caller's mapping: look at every origin
+            differ = set(logs)
+        if scope is not None:
+            k, buckets = scope
+            in_scope = set(buckets)
+            differ = {o for o in differ if bucket_of(o, k) in in_scope}
+        differ.update(o for o in want if o in logs)  # snapshot requests: whatever the scope
         queues = []
-        for origin, log in self._logs.items():
+        for origin in differ:
+            log = logs[origin]
             theirs = peer_summary.get(origin)
             if theirs is None or origin in want or theirs[0] < log.epoch:
                 needed = log.records
@@ -568,24 +887,28 @@ class AntiEntropy:
             else:
                 needed = log.after(theirs[1])
             if needed:
-                n_bytes = sum(len(s.raw) for s in needed)
-                newest = needed[-1].record.issued_at
-                queues.append((n_bytes, -newest, origin, deque(needed)))
+                n_bytes = log.n_bytes if needed is log.records else sum(len(s.raw) for s in needed)
+                queues.append((n_bytes, -needed[-1].record.issued_at, origin, needed))
         queues.sort(key=lambda q: q[:3])
         out: list[SignedRecord] = []
-        remaining = budget_bytes
-        active = [q[3] for q in queues]
-        while active:
-            still = []
-            for queue in active:
-                size = len(queue[0].raw)
-                if size > remaining:
-                    continue  # cut this origin off here: the rest depends on this record
-                out.append(queue.popleft())
-                remaining -= size
-                if queue:
-                    still.append(queue)
-            active = still
+        if sum(q[0] for q in queues) <= budget_bytes:
+            # everything fits: the same round-robin order without the budget bookkeeping
+            for layer in zip_longest(*[q[3] for q in queues]):
+                out.extend(r for r in layer if r is not None)
+        else:
+            remaining = budget_bytes
+            active = [deque(q[3]) for q in queues]
+            while active:
+                still = []
+                for queue in active:
+                    size = len(queue[0].raw)
+                    if size > remaining:
+                        continue  # cut this origin off here: the rest depends on this record
+                    out.append(queue.popleft())
+                    remaining -= size
+                    if queue:
+                        still.append(queue)
+                active = still
         self.stats["records_sent"] += len(out)
         self.stats["bytes_sent"] += sum(len(s.raw) for s in out)
         return out
@@ -666,6 +989,7 @@ class AntiEntropy:
             self._held_raws.difference_update(s.raw for s in old.records)
         self._logs[origin] = _OriginLog(signed)
         self._held_raws.add(signed.raw)
+        self._touch(origin)
 
     def _apply(self, signed: SignedRecord, result: ReceiveResult) -> None:
         r = signed.record
@@ -727,6 +1051,7 @@ class AntiEntropy:
                 return
             log.append(signed)
             self._held_raws.add(signed.raw)
+            self._touch(r.origin)
         result.applied.append(r)
         self.stats["records_applied"] += 1
 
@@ -741,6 +1066,7 @@ class AntiEntropy:
         ]
         for origin in dropped:
             self._held_raws.difference_update(s.raw for s in self._logs.pop(origin).records)
+            self._untouch(origin)
         self.stats["origins_expired"] += len(dropped)
         return dropped
 
@@ -772,6 +1098,41 @@ def _dump(message: list) -> bytes:
     if len(data) > MAX_MESSAGE_BYTES:
         raise OversizeMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     return data
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    """Canonical (shortest) CBOR head of major type ``major`` with argument ``n``."""
+    m = major << 5
+    if n < 24:
+        return bytes((m | n,))
+    if n < 0x100:
+        return bytes((m | 24, n))
+    if n < 0x10000:
+        return bytes((m | 25,)) + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return bytes((m | 26,)) + n.to_bytes(4, "big")
+    return bytes((m | 27,)) + n.to_bytes(8, "big")
+
+
+def _entry_cbor(origin: bytes, version: tuple[int, int]) -> bytes:
+    """Canonical CBOR of the summary entry ``[origin, epoch, seq]``."""
+    return b"".join(
+        (b"\x83", _cbor_head(2, len(origin)), origin, _cbor_head(0, version[0]),
+         _cbor_head(0, version[1]))
+    )  # fmt: skip
+
+
+_MSG_SUMMARY_PREFIX = b"\x82\x01"  # [1, ...]: a 2-element array, then the type
+_REPLY_PREFIX = b"\x84\x02"  # [2, ...]
+
+
+def _check_reply_bounds(n_records: int, n_summary: int, n_want: int) -> None:
+    if n_records > MAX_RECORDS_PER_MESSAGE:
+        raise OversizeMessage(f"{n_records} records exceeds {MAX_RECORDS_PER_MESSAGE}")
+    if n_summary > MAX_SUMMARY_ENTRIES:
+        raise OversizeMessage(f"summary of {n_summary} entries exceeds {MAX_SUMMARY_ENTRIES}")
+    if n_want > MAX_SNAPSHOT_REQUESTS:
+        raise OversizeMessage(f"{n_want} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
 
 
 MSG_SUMMARY_HASH = 0
@@ -823,12 +1184,7 @@ def encode_reply(
     """Message 2: ``[2, [raw, ...], [[origin, epoch, seq], ...], [origin, ...]]``."""
     raws = _raws(records)
     want = sorted(set(want_snapshots))
-    if len(raws) > MAX_RECORDS_PER_MESSAGE:
-        raise OversizeMessage(f"{len(raws)} records exceeds {MAX_RECORDS_PER_MESSAGE}")
-    if len(summary) > MAX_SUMMARY_ENTRIES:
-        raise OversizeMessage(f"summary of {len(summary)} entries exceeds {MAX_SUMMARY_ENTRIES}")
-    if len(want) > MAX_SNAPSHOT_REQUESTS:
-        raise OversizeMessage(f"{len(want)} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
+    _check_reply_bounds(len(raws), len(summary), len(want))
     return _dump([MSG_REPLY, raws, _summary_list(summary), want])
 
 
@@ -906,3 +1262,187 @@ def decode_reply(data: bytes) -> ExchangeReply:
 
 def decode_records(data: bytes) -> list[bytes]:
     return _parse_raws(_load_message(data, MSG_RECORDS, 2)[1])
+
+
+# --- per-peer delta summaries (messages 4-6) ------------------------------------------------
+
+FULL_BASE = bytes(SUMMARY_HASH_BYTES)  # the base of a delta that is a whole summary
+
+
+@dataclass(frozen=True)
+class DeltaSummary:
+    """A summary relative to ``base`` (the hash of a summary the receiver holds for us;
+    :data:`FULL_BASE`: none) whose result hashes to ``new``."""
+
+    base: bytes
+    new: bytes
+    entries: Summary
+
+
+@dataclass(frozen=True)
+class DeltaReply:
+    records: list[bytes]
+    summary: DeltaSummary
+    want_snapshots: frozenset[bytes]
+
+
+def _check_delta(delta: DeltaSummary) -> None:
+    for value in (delta.base, delta.new):
+        if type(value) is not bytes or len(value) != SUMMARY_HASH_BYTES:
+            raise ValueError(f"summary hashes are {SUMMARY_HASH_BYTES} bytes")
+    if len(delta.entries) > MAX_SUMMARY_ENTRIES:
+        raise OversizeMessage(
+            f"summary of {len(delta.entries)} entries exceeds {MAX_SUMMARY_ENTRIES}"
+        )
+
+
+def encode_delta_summary(delta: DeltaSummary) -> bytes:
+    """Message 4: ``[4, base16, new16, [[origin, epoch, seq], ...]]`` (replaces message 1)."""
+    _check_delta(delta)
+    return _dump([MSG_DELTA_SUMMARY, delta.base, delta.new, _summary_list(delta.entries)])
+
+
+def encode_need_summary() -> bytes:
+    """Message 6: ``[6]``, the answer to a delta whose base the responder does not hold:
+    send the full summary (as message 4 with :data:`FULL_BASE`)."""
+    return _dump([MSG_NEED_SUMMARY])
+
+
+def encode_delta_reply(
+    records: Iterable[SignedRecord | bytes],
+    delta: DeltaSummary,
+    want_snapshots: Iterable[bytes] = (),
+) -> bytes:
+    """Message 5: ``[5, [raw, ...], base16, new16, [[origin, epoch, seq], ...], [origin,
+    ...]]`` (replaces message 2)."""
+    raws = _raws(records)
+    want = sorted(set(want_snapshots))
+    _check_reply_bounds(len(raws), len(delta.entries), len(want))
+    _check_delta(delta)
+    return _dump(
+        [MSG_DELTA_REPLY, raws, delta.base, delta.new, _summary_list(delta.entries), want]
+    )
+
+
+def _parse_hash(value: object) -> bytes:
+    if type(value) is not bytes or len(value) != SUMMARY_HASH_BYTES:
+        raise MalformedMessage(f"a summary hash is a {SUMMARY_HASH_BYTES}-byte string")
+    return value
+
+
+def _parse_want(want: object) -> frozenset[bytes]:
+    if type(want) is not list:
+        raise MalformedMessage("snapshot requests must be an array")
+    if len(want) > MAX_SNAPSHOT_REQUESTS:
+        raise OversizeMessage(f"{len(want)} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
+    if any(type(o) is not bytes or len(o) != PEER_ID_BYTES for o in want):
+        raise MalformedMessage("snapshot requests must be peer ids")
+    return frozenset(want)
+
+
+def decode_delta_summary(data: bytes) -> DeltaSummary:
+    _, base, new, entries = _load_message(data, MSG_DELTA_SUMMARY, 4)
+    return DeltaSummary(_parse_hash(base), _parse_hash(new), _parse_summary(entries))
+
+
+def decode_need_summary(data: bytes) -> None:
+    """Accepts exactly message 6; raises :class:`MalformedMessage` otherwise."""
+    _load_message(data, MSG_NEED_SUMMARY, 1)
+
+
+def decode_delta_reply(data: bytes) -> DeltaReply:
+    _, raws, base, new, entries, want = _load_message(data, MSG_DELTA_REPLY, 6)
+    delta = DeltaSummary(_parse_hash(base), _parse_hash(new), _parse_summary(entries))
+    return DeltaReply(_parse_raws(raws), delta, _parse_want(want))
+
+
+# --- bucketed summaries (messages 7-8) --------------------------------------------------------
+
+
+def bucket_count(n_origins: int) -> int:
+    """The bucket count a node uses for ``n_origins`` held: the power of two >= it (about
+    one origin per bucket), at most :data:`MAX_BUCKETS`."""
+    return min(MAX_BUCKETS, 1 << max(0, n_origins - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _bucket_key(origin: bytes) -> int:
+    return int.from_bytes(origin[-4:], "big")
+
+
+def bucket_of(origin: bytes, k: int) -> int:
+    """The bucket of ``origin`` among ``k`` (a power of two): low bits of its last 4 bytes
+    (peer ids end with a public key: uniformly spread)."""
+    return _bucket_key(origin) & (k - 1)
+
+
+@dataclass(frozen=True)
+class ScopedSummary:
+    """The initiator's entries for the ``buckets`` (of ``k``) whose hashes differ."""
+
+    k: int
+    buckets: tuple[int, ...]
+    entries: Summary
+
+
+def _check_k(k: object, error: type[Exception]) -> int:
+    if type(k) is not int or not (0 < k <= MAX_BUCKETS and k & (k - 1) == 0):
+        raise error(f"bucket count must be a power of two <= {MAX_BUCKETS}")
+    return k
+
+
+def encode_buckets(hashes: Sequence[int]) -> bytes:
+    """Message 7: ``[7, bytes]``, the responder's bucket hashes (4 bytes each, big-endian)
+    when the opening summary hash differs (replaces ``[0, false]``)."""
+    _check_k(len(hashes), ValueError)
+    return _dump([MSG_BUCKETS, b"".join(h.to_bytes(BUCKET_HASH_BYTES, "big") for h in hashes)])
+
+
+def decode_buckets(data: bytes) -> list[int]:
+    _, packed = _load_message(data, MSG_BUCKETS, 2)
+    if type(packed) is not bytes or len(packed) % BUCKET_HASH_BYTES:
+        raise MalformedMessage("bucket hashes are a byte string of 4-byte hashes")
+    k = _check_k(len(packed) // BUCKET_HASH_BYTES, MalformedMessage)
+    return [
+        int.from_bytes(packed[i : i + BUCKET_HASH_BYTES], "big")
+        for i in range(0, k * BUCKET_HASH_BYTES, BUCKET_HASH_BYTES)
+    ]
+
+
+def encode_scoped_summary(scoped: ScopedSummary) -> bytes:
+    """Message 8: ``[8, k, [bucket, ...], [[origin, epoch, seq], ...]]`` (replaces message
+    1): the initiator's entries for the differing buckets."""
+    _check_k(scoped.k, ValueError)
+    if len(scoped.entries) > MAX_SUMMARY_ENTRIES:
+        raise OversizeMessage(
+            f"summary of {len(scoped.entries)} entries exceeds {MAX_SUMMARY_ENTRIES}"
+        )
+    buckets = sorted(set(scoped.buckets))
+    return _dump([MSG_SCOPED_SUMMARY, scoped.k, buckets, _summary_list(scoped.entries)])
+
+
+def decode_scoped_summary(data: bytes) -> ScopedSummary:
+    """Inverse of :func:`encode_scoped_summary`; validated like a summary, and every bucket
+    must be in range and listed once, every entry in a listed bucket."""
+    _, k, buckets, entries = _load_message(data, MSG_SCOPED_SUMMARY, 4)
+    k = _check_k(k, MalformedMessage)
+    if type(buckets) is not list or len(buckets) > k:
+        raise MalformedMessage("buckets must be an array of at most k indices")
+    if any(type(b) is not int or not 0 <= b < k for b in buckets):
+        raise MalformedMessage("bucket indices must be integers in [0, k)")
+    scope = set(buckets)
+    if len(scope) != len(buckets):
+        raise MalformedMessage("a bucket is listed twice")
+    summary = _parse_summary(entries)
+    if any(bucket_of(o, k) not in scope for o in summary):
+        raise MalformedMessage("a summary entry outside the listed buckets")
+    return ScopedSummary(k, tuple(buckets), summary)
+
+
+def peek_message_type(data: bytes) -> int | None:
+    """The type of an exchange message (its first element) without decoding it, or None
+    when ``data`` does not start like one (a CBOR array whose first item is a small
+    unsigned integer). Decode with the matching ``decode_*``, which validates everything."""
+    if len(data) >= 2 and 0x81 <= data[0] <= 0x97 and data[1] < 24:
+        return data[1]
+    return None

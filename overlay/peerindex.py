@@ -311,16 +311,26 @@ class PeerCacheIndex:
         new: dict[bytes, set[bytes]] = {}
         budget = self.max_hashes_per_peer
         truncated = 0
-        for nd in record.namespaces:
-            target = new.setdefault(nd.ns, set())
-            for h in nd.added:
-                if h in target:
-                    continue
-                if budget <= 0:
-                    truncated += 1
-                    continue
-                target.add(h)
-                budget -= 1
+        if sum(len(nd.added) for nd in record.namespaces) <= budget:
+            # the cap cannot bite: build the sets in C (the common case by far)
+            for nd in record.namespaces:
+                target = new.get(nd.ns)
+                if target is None:
+                    new[nd.ns] = set(nd.added)
+                else:
+                    target.update(nd.added)
+            budget -= sum(len(hs) for hs in new.values())
+        else:
+            for nd in record.namespaces:
+                target = new.setdefault(nd.ns, set())
+                for h in nd.added:
+                    if h in target:
+                        continue
+                    if budget <= 0:
+                        truncated += 1
+                        continue
+                    target.add(h)
+                    budget -= 1
         self.stats.hashes_truncated += truncated
         # Touch the postings only for what changed: periodic snapshots mostly repeat.
         for ns, old_hashes in old.items():
@@ -348,17 +358,23 @@ class PeerCacheIndex:
         self, peer: bytes, ns: bytes, hashes: set[bytes], added: Iterable[bytes], count: int
     ) -> int:
         table = self._postings.setdefault(ns, {})
-        cap = self.max_hashes_per_peer
-        for h in added:
-            if h in hashes:
-                continue
-            if count >= cap:
-                self.stats.hashes_truncated += 1
-                continue
-            hashes.add(h)
-            self._post(table, h, peer)
-            count += 1
-        return count
+        fresh = [h for h in dict.fromkeys(added) if h not in hashes]  # record order, unique
+        room = self.max_hashes_per_peer - count
+        if len(fresh) > room:
+            self.stats.hashes_truncated += len(fresh) - max(0, room)
+            fresh = fresh[: max(0, room)]
+        hashes.update(fresh)
+        get = table.get
+        for h in fresh:  # _post, inlined: this is the index's hottest loop
+            posting = get(h)
+            if posting is None:
+                table[h] = peer
+            elif type(posting) is bytes:
+                if posting != peer:
+                    table[h] = {posting, peer}
+            else:
+                posting.add(peer)
+        return count + len(fresh)
 
     @staticmethod
     def _post(table: dict[bytes, _Posting], h: bytes, peer: bytes) -> None:
