@@ -79,17 +79,25 @@ import trio
 
 from . import wire
 from .antientropy import (
+    MSG_BUCKETS,
+    MSG_SCOPED_SUMMARY,
     AntiEntropy,
     AntiEntropyError,
     ReceiveResult,
+    ScopedSummary,
+    bucket_count,
+    decode_buckets,
     decode_records,
     decode_reply,
+    decode_scoped_summary,
     decode_summary,
     decode_summary_hash,
+    encode_buckets,
     encode_records,
     encode_reply,
-    encode_summary,
+    encode_scoped_summary,
     encode_summary_hash,
+    peek_message_type,
     summary_hash,
 )
 from .digest import DigestError
@@ -132,6 +140,7 @@ class Gossip:
         summary_hash_check: bool = True,
         peer_hash: Callable[[bytes], bytes] | None = None,
         backstop_rounds: int = 10,
+        bucket_summaries: bool = False,
         exchange_rate_per_s: float = 4.0,
         exchange_burst: float = 8.0,
         max_exchanges_per_peer: int = 2,
@@ -158,6 +167,10 @@ class Gossip:
         # peer every ``backstop_rounds`` rounds in case a report is stale or lost.
         self.peer_hash = peer_hash
         self.backstop_rounds = backstop_rounds
+        # responder: answer a differing summary hash with bucket hashes (message 7) so
+        # that only the differing buckets' entries are exchanged. Initiators always accept
+        # both answers; turn this on once every node runs code that does.
+        self.bucket_summaries = bucket_summaries
         self.own_hash = b""
         self.rounds = 0
         self.stats: Counter[str] = Counter()
@@ -201,7 +214,7 @@ class Gossip:
         self._rehash()
 
     def _rehash(self) -> None:
-        self.own_hash = summary_hash(self.ae.summary())
+        self.own_hash = self.ae.summary_digest()  # cached until the summary changes
 
     async def round(self) -> None:
         self.tick()
@@ -241,20 +254,32 @@ class Gossip:
         stream = await self.host.open_stream(peer, wire.DIGEST_PROTOCOL, self.exchange_timeout_s)
         fs = FramedStream(stream, timeout_s=self.exchange_timeout_s)
         try:
-            summary = self.ae.summary()
+            scope = None
             if self.summary_hash_check:
-                await self._send(fs, encode_summary_hash(summary_hash(summary)))
-                verdict = _decode_hash_message(await self._receive(fs))
+                await self._send(fs, encode_summary_hash(self.ae.summary_digest()))
+                answer = await self._receive(fs)
+                verdict = _decode_hash_message(answer)
                 if verdict is True:
                     self.stats["exchanges_in_sync"] += 1
                     return
-                if verdict is not False:
+                if verdict is None and peek_message_type(answer) == MSG_BUCKETS:
+                    theirs = decode_buckets(answer)  # bounded, validated
+                    k = len(theirs)
+                    ours = self.ae.bucket_hashes(k)
+                    differ = tuple(i for i in range(k) if ours[i] != theirs[i])
+                    scope = (k, differ)  # empty: in sync by now, the reply will be empty
+                    scoped = ScopedSummary(k, differ, self.ae.scoped_summary(k, differ))
+                    await self._send(fs, encode_scoped_summary(scoped))
+                elif verdict is not False:
                     self.stats["malformed_messages"] += 1
                     raise wire.MalformedFrame("bad summary-hash answer")
-            await self._send(fs, encode_summary(summary))
+            if scope is None:
+                await self._send(fs, self.ae.encoded_summary())
             reply = decode_reply(await self._receive(fs))
             self._apply(self.ae.receive(reply.records, self.clock()))
-            records = self.ae.records_for(reply.summary, self.byte_budget, reply.want_snapshots)
+            records = self.ae.records_for(
+                reply.summary, self.byte_budget, reply.want_snapshots, scope=scope
+            )
             await self._send(fs, encode_records(records))
         except AntiEntropyError:
             self.stats["malformed_messages"] += 1
@@ -301,17 +326,29 @@ class Gossip:
                 first = await self._receive(fs)
                 theirs = _decode_hash_message(first)
                 if isinstance(theirs, bytes):  # summary-hash check first
-                    same = theirs == summary_hash(self.ae.summary())
-                    await self._send(fs, encode_summary_hash(same))
+                    same = theirs == self.ae.summary_digest()
+                    if same or not self.bucket_summaries:
+                        await self._send(fs, encode_summary_hash(same))
+                    else:
+                        k = bucket_count(self.ae.summary_size())
+                        await self._send(fs, encode_buckets(self.ae.bucket_hashes(k)))
                     if same:
                         self.stats["exchanges_in_sync"] += 1
                         return
                     first = await self._receive(fs)
-                summary = decode_summary(first)
-                records = self.ae.records_for(summary, self.byte_budget)
                 want = sorted(self._want_snapshots)[:256]
+                if peek_message_type(first) == MSG_SCOPED_SUMMARY:
+                    scoped = decode_scoped_summary(first)  # bounded, validated
+                    scope = (scoped.k, scoped.buckets)
+                    records = self.ae.records_for(scoped.entries, self.byte_budget, scope=scope)
+                    ours = self.ae.scoped_summary(scoped.k, scoped.buckets)
+                    message = encode_reply(records, ours, want)
+                else:
+                    summary = decode_summary(first)
+                    records = self.ae.records_for(summary, self.byte_budget)
+                    message = self.ae.encode_reply(records, want)
                 self._want_snapshots.difference_update(want)
-                await self._send(fs, encode_reply(records, self.ae.summary(), want))
+                await self._send(fs, message)
                 data = await self._receive(fs)
                 if not self._pay_for_records(peer, len(data)):
                     self.stats["records_rate_limited"] += 1
