@@ -468,6 +468,12 @@ class DigestSection:
     ttl_s: float = _f(60.0, check=_float(1.0, 86400.0), doc="lifetime of a digest record")
     refresh_interval_s: float = _f(20.0, check=_float(0.0, 86400.0, lo_open=True),
                                    doc="re-issue own record this often even without changes")
+    bucket_summaries: bool = _f(True, check=_bool,
+                                doc="on a summary-hash mismatch answer with per-bucket hashes, "
+                                    "so only differing buckets' entries are exchanged")
+    compaction_ratio: float = _f(4.0, check=_float(0.0, 64.0, lo_open=True),
+                                 doc="re-snapshot own record once deltas since the last "
+                                     "snapshot exceed this x its size")
 
 
 @dataclass

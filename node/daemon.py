@@ -264,6 +264,7 @@ class Node:
             ttl=cfg.digest.ttl_s,
             refresh_interval=min(cfg.digest.refresh_interval_s, cfg.digest.ttl_s / 2),
             addrs=self.advertised_addrs(),
+            compaction_ratio=cfg.digest.compaction_ratio,
         )
         for ns, chain in self._lies:  # test-only lie-digest fault: claim, never hold
             self.ae.local_add_prefix(ns, chain)
@@ -280,6 +281,7 @@ class Node:
                 interval_s=cfg.digest.interval_s,
                 fanout=cfg.digest.fanout,
                 byte_budget=cfg.digest.byte_budget,
+                bucket_summaries=cfg.digest.bucket_summaries,
                 rng=random.Random(opts.seed),
                 peer_hash=self._peer_summary_hash,
                 exchange_rate_per_s=cfg.limits.digest_exchange_rate,
