@@ -111,30 +111,23 @@ class Pty:
         self.out = b""
 
     def wait_for(self, needle: bytes, timeout: float = 30.0, start: int = 0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pos = self.out.find(needle, start)
-            if pos >= 0:
-                return pos + len(needle)
-            r, _, _ = select.select([self.fd], [], [], 0.1)
-            if r:
-                try:
-                    self.out += os.read(self.fd, 4096)
-                except OSError:
-                    break
-        raise AssertionError(f"{needle!r} not seen; output: {self.out[-2000:]!r}")
+        self.wait_until(lambda out: out.find(needle, start) >= 0, timeout, f"{needle!r} seen")
+        return self.out.find(needle, start) + len(needle)
 
-    def wait_until(self, predicate, timeout: float = 30.0) -> None:
+    def wait_until(self, predicate, timeout: float = 30.0, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
         while not predicate(self.out):
             if time.monotonic() > deadline:
-                raise AssertionError(f"condition not met; output: {self.out[-2000:]!r}")
+                raise AssertionError(f"{what} not met; output: {self.out[-2000:]!r}")
             r, _, _ = select.select([self.fd], [], [], 0.1)
             if r:
                 try:
                     self.out += os.read(self.fd, 4096)
                 except OSError:
-                    break
+                    if not predicate(self.out):
+                        raise AssertionError(
+                            f"{what} not met (terminal closed); output: {self.out[-2000:]!r}"
+                        ) from None
 
     def write(self, data: bytes) -> None:
         os.write(self.fd, data)
