@@ -5,9 +5,6 @@ pseudo-terminal, so Ctrl-C is a real SIGINT from the terminal driver)."""
 from __future__ import annotations
 
 import json
-import os
-import pty
-import select
 import signal
 import subprocess
 import sys
@@ -15,6 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _pty import Terminal  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real node processes
 
@@ -103,55 +103,10 @@ def test_unknown_tenant_at_the_node_is_refused(node_addr, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-class Pty:
-    def __init__(self, argv: list[str]):
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # child
-            os.execv(argv[0], argv)
-        self.out = b""
-
-    def wait_for(self, needle: bytes, timeout: float = 30.0, start: int = 0) -> int:
-        self.wait_until(lambda out: out.find(needle, start) >= 0, timeout, f"{needle!r} seen")
-        return self.out.find(needle, start) + len(needle)
-
-    def wait_until(self, predicate, timeout: float = 30.0, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate(self.out):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what} not met; output: {self.out[-2000:]!r}")
-            r, _, _ = select.select([self.fd], [], [], 0.1)
-            if r:
-                try:
-                    self.out += os.read(self.fd, 4096)
-                except OSError:
-                    if not predicate(self.out):
-                        raise AssertionError(
-                            f"{what} not met (terminal closed); output: {self.out[-2000:]!r}"
-                        ) from None
-
-    def write(self, data: bytes) -> None:
-        os.write(self.fd, data)
-
-    def exit_code(self, timeout: float = 15.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                return os.waitstatus_to_exitcode(status)
-            try:
-                r, _, _ = select.select([self.fd], [], [], 0.1)
-                if r:
-                    self.out += os.read(self.fd, 4096)
-            except OSError:
-                time.sleep(0.05)
-        os.kill(self.pid, signal.SIGKILL)
-        raise AssertionError(f"chat did not exit; output: {self.out[-2000:]!r}")
-
-
 def test_chat_in_a_terminal(node_addr):
     script = Path(PYTHON).parent / "prefixmesh"
     argv = [str(script)] if script.exists() else [PYTHON, "-m", "prefixmesh"]
-    term = Pty([*argv, "chat", "--peer", node_addr])
+    term = Terminal([*argv, "chat", "--peer", node_addr])
     at = term.wait_for(b"> ")
     term.write(b"/system be brief\n")
     at = term.wait_for(b"(system prompt set)", start=at)

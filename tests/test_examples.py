@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pty
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -23,6 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _pty import Terminal  # noqa: E402
 from _swarm import Swarm  # noqa: E402
 
 from prefixmesh.node.config import load_config  # noqa: E402
@@ -120,52 +119,10 @@ def test_three_node_swarm_script_stops_its_nodes_when_interrupted():
     shutil.rmtree(work)
 
 
-class _Terminal:
-    """The script on a pseudo-terminal that is its controlling terminal (pty.fork), so
-    Ctrl-C is a real SIGINT to the terminal's foreground process group."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]):
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # child
-            os.execve(argv[0], argv, env)
-        self.out = b""
-
-    def wait_for(self, needle: bytes, start: int, timeout: float = 120.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pos = self.out.find(needle, start)
-            if pos >= 0:
-                return pos + len(needle)
-            r, _, _ = select.select([self.fd], [], [], 0.2)
-            if r:
-                try:
-                    self.out += os.read(self.fd, 65536)
-                except OSError:
-                    time.sleep(0.1)
-        raise AssertionError(f"{needle!r} not seen; output: {self.out[start:][-3000:]!r}")
-
-    def write(self, data: bytes) -> None:
-        os.write(self.fd, data)
-
-    def exit_code(self, timeout: float = 60.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                return os.waitstatus_to_exitcode(status)
-            try:
-                if select.select([self.fd], [], [], 0.2)[0]:
-                    self.out += os.read(self.fd, 65536)
-            except OSError:
-                time.sleep(0.1)
-        os.kill(self.pid, signal.SIGKILL)
-        raise AssertionError(f"the script did not exit; output: {self.out[-3000:]!r}")
-
-
 @pytest.mark.slow
 def test_three_node_swarm_script_chat_on_a_terminal():
-    term = _Terminal([str(EXAMPLES / "three_node_swarm.sh"), "--fast", "--chat"],
-                     _script_env())
+    term = Terminal([str(EXAMPLES / "three_node_swarm.sh"), "--fast", "--chat"],
+                    _script_env(), wait_s=120.0, exit_s=60.0)
     try:
         at = term.wait_for(b"chatting through node2", 0, SCRIPT_TIMEOUT_S)
         at = term.wait_for(b"> ", at, 60)
