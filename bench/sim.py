@@ -365,11 +365,7 @@ class Simulator:
         n.rr_entry = 0
         n.current = None
         n.fwd_log = {}
-        n.memory = RouterMemory(
-            n.pid,
-            enabled=self.cfg.policy == "prefixmesh",
-            placement_tau_s=self.routing.placement_tau_s,
-        )
+        n.memory = RouterMemory.for_policy(n.policy, n.pid)
         n.rent = n.memory.rent  # the ledgers, for reports and tests
         n.placements = n.memory.placements
         self.by_pid[n.pid] = i

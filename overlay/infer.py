@@ -202,11 +202,7 @@ class InferService:
         self.clock = clock
         # ski-rental rent per prefix and smoothed placements (overlay/routing.py), the
         # same RouterMemory the simulator drives; only the prefixmesh policy uses them
-        self.memory = RouterMemory(
-            self.me,
-            enabled=getattr(policy, "name", "") == "prefixmesh",
-            placement_tau_s=getattr(getattr(policy, "config", None), "placement_tau_s", 30.0),
-        )
+        self.memory = RouterMemory.for_policy(policy, self.me)
         s = self.settings
         self._request_limiter = PeerRateLimiter(s.peer_request_rate, s.peer_request_burst)
         self._subnets = (

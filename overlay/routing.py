@@ -616,6 +616,17 @@ class RouterMemory:
         self.rent = RentLedger(max_entries)
         self.placements = PlacementLedger(placement_tau_s, max_entries)
 
+    @classmethod
+    def for_policy(cls, policy: Policy, self_id: bytes) -> RouterMemory:
+        """The memory a router running ``policy`` keeps: ledgers only for ``prefixmesh``
+        (the baselines ignore them), decaying with its ``placement_tau_s``."""
+        config = getattr(policy, "config", None)
+        return cls(
+            self_id,
+            enabled=getattr(policy, "name", "") == PrefixMeshPolicy.name,
+            placement_tau_s=getattr(config, "placement_tau_s", DEFAULT_PLACEMENT_TAU_S),
+        )
+
     def context(
         self,
         *,
