@@ -445,3 +445,23 @@ def test_node_print_config_shows_limits(tmp_path, capsys):
     doc = tomllib.loads(capsys.readouterr().out)
     assert doc["limits"]["digest_exchange_rate"] == 4.0
     assert doc["limits"]["peer_request_rate"] == 50.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("compaction_ratio = 0", "[digest].compaction_ratio: 0 is out of range"),
+        ("compaction_ratio = 65", "[digest].compaction_ratio: 65 is out of range"),
+        ("compaction_ratio = 'often'", '[digest].compaction_ratio: "often" is not a number'),
+        ("bucket_summaries = 'maybe'", "[digest].bucket_summaries:"),
+    ],
+)
+def test_digest_scale_knobs_bad_values_name_the_key(tmp_path, text, expected):
+    assert expected in err(tmp_path, "[digest]\n" + text + "\n")
+
+
+def test_digest_scale_knobs_defaults_and_values(tmp_path):
+    assert load_config(None).digest.bucket_summaries is True
+    assert load_config(None).digest.compaction_ratio == 4.0
+    cfg = load_config(write(tmp_path, "[digest]\nbucket_summaries = false\ncompaction_ratio = 1\n"))
+    assert cfg.digest.bucket_summaries is False and cfg.digest.compaction_ratio == 1.0
