@@ -815,6 +815,79 @@ def _antientropy_target() -> Target:
     )
 
 
+# ---------------------------------------------------------------------------- partition
+
+
+@_builder("partition")
+def _partition_target() -> Target:
+    from prefixmesh.overlay.digest import LoadFigures
+    from prefixmesh.overlay.partition import (
+        MAX_PARTITION_MESSAGE_BYTES,
+        HolderMatch,
+        PartitionMessageError,
+        decode_ack,
+        decode_lookup,
+        decode_lookup_answer,
+        decode_push,
+        encode_ack,
+        encode_lookup,
+        encode_lookup_answer,
+        encode_push,
+    )
+
+    records = _records()
+    ident = _fuzz_identity()
+    load = LoadFigures(2, 1, 420.0, 120.0)
+    seeds = [
+        encode_push(7, [r.raw for r in records[:3]]),
+        encode_push(0, []),
+        encode_ack(7, {ident.peer_id: (1, 4)}),
+        encode_ack(65535, {}),
+        encode_lookup(3, b"n" * 8, [bytes([i]) * 8 for i in range(12)]),
+        encode_lookup_answer([HolderMatch(ident.peer_id, 4, load, NOW + 60.0)] * 3),
+        encode_lookup_answer([]),
+    ]
+    decoders = (decode_push, decode_ack, decode_lookup, decode_lookup_answer)
+
+    def run(data: bytes) -> object:
+        errors: list[PartitionMessageError] = []
+        out = None
+        for decode in decoders:
+            try:
+                out = decode(data)
+            except PartitionMessageError as exc:
+                errors.append(exc.with_traceback(None))
+        if len(errors) == len(decoders):
+            raise errors[0]
+        return out
+
+    def structured(rng: random.Random, data: bytes) -> bytes | None:
+        msg = _cbor_load(data)
+        if not isinstance(msg, list):
+            return None
+        return cbor_encode(mutate_tree(rng, msg), rng)
+
+    n = MAX_PARTITION_MESSAGE_BYTES
+    crafted = [
+        ("push-1MiB-of-empty-bytes",
+         b"\x83\x14\x01\x9a" + (n - 8).to_bytes(4, "big") + b"\x40" * (n - 8)),
+        ("lookup-1MiB-chain", encode_lookup(1, b"n" * 8, [b"h" * 8] * 4096)),
+    ]  # fmt: skip
+    return Target(
+        "partition",
+        "overlay.partition: push, ack, lookup and lookup-answer decoders",
+        (PartitionMessageError,),
+        run,
+        seeds,
+        structured=structured,
+        crafted=crafted,
+        cbor=True,
+        nest_open=b"\x81",
+        max_random_len=4096,
+        mem_bound=lambda n: 8 * n + (8 << 20),
+    )
+
+
 # ---------------------------------------------------------------------------- wire
 
 

@@ -91,6 +91,20 @@ from prefixmesh.overlay import antientropy as _ae_mod
 from prefixmesh.overlay import digest as _digest_mod
 from prefixmesh.overlay.digest import LoadFigures
 from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.partition import (
+    HolderMatch,
+    LookupCache,
+    PartitionConfig,
+    PartitionedDigest,
+    decode_ack,
+    decode_lookup,
+    decode_lookup_answer,
+    decode_push,
+    encode_ack,
+    encode_lookup,
+    encode_lookup_answer,
+    encode_push,
+)
 from prefixmesh.overlay.peerindex import PeerCacheIndex
 from prefixmesh.overlay.routing import (
     FORWARD,
@@ -119,7 +133,8 @@ MODEL_FP = b"smollm2-135m-instruct-q4_1"
 _PICK_ONE = frozenset({"round-robin", "random", "consistent-hash", "local"})
 _USES_INDEX = frozenset({"prefixmesh", "paper"})
 
-_EV_ARRIVE, _EV_DONE, _EV_GOSSIP, _EV_MSG = range(4)
+_EV_ARRIVE, _EV_DONE, _EV_GOSSIP, _EV_MSG, _EV_PART = range(5)
+_PUSH, _ACK, _LOOKUP, _ANSWER = range(4)
 
 
 @dataclass
@@ -156,6 +171,15 @@ class SimConfig:
     # Ski rental now lives in routing (RoutingConfig.ski_rental, on by default); None
     # follows `routing`, True/False override it (the sweeps compare both).
     ski_rental: bool | None = None
+    # Partial replication (overlay/partition.py; 0 = full replication, what the node does):
+    # P partitions by chain root, each replicated at `replicas` home nodes; routers that
+    # are not a home look up a home and cache the answer `lookup_ttl_s`. Partition streams
+    # refresh every `partition_refresh_s` (records live `partition_ttl_s`).
+    partitions: int = 0
+    replicas: int = 3
+    lookup_ttl_s: float = 2.0
+    partition_refresh_s: float = 1200.0
+    partition_ttl_s: float = 3600.0
     liar_fraction: float = 0.0  # nodes advertising prefixes they do not hold
     entry: str = "random"  # random | round-robin | first (all requests enter at node 0)
     seed: int = 0
@@ -242,6 +266,7 @@ class _Node:
         "idx", "ident", "pid", "ae", "index", "policy", "tree", "queue", "busy", "busy_until",
         "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "known", "trust",
         "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent", "placements", "memory",
+        "pd", "lookups", "lookup_bytes",
     )  # fmt: skip
 
 
@@ -250,7 +275,7 @@ class _Req:
 
     __slots__ = (
         "req", "entry", "node", "hops", "visited", "back_s", "est_tokens", "est_from",
-        "enqueued_at", "svc_est",
+        "enqueued_at", "svc_est", "answer", "looked_up",
     )  # fmt: skip
 
     def __init__(self, req: Request, entry: int) -> None:
@@ -264,6 +289,8 @@ class _Req:
         self.est_from = -1
         self.enqueued_at = 0.0
         self.svc_est = 0.0
+        self.answer = None  # a lookup answer to decide with (partitioned digests)
+        self.looked_up = False
 
 
 # ---------------------------------------------------------------------------- simulator
@@ -331,6 +358,7 @@ class Simulator:
         self.m_to_liar = 0
         self.m_done = 0
         self.m_gossip_msgs = 0
+        self.m_lookups = 0
 
     def _make_node(self, i: int, liar: bool) -> _Node:
         cfg = self.cfg
@@ -345,6 +373,26 @@ class Simulator:
             compaction_ratio=cfg.compaction_ratio,
         )  # fmt: skip
         n.index = PeerCacheIndex()
+        n.pd = None
+        n.lookups = None
+        n.lookup_bytes = 0
+        if cfg.partitions:
+            ident = n.ident
+
+            def make_stream(fp: bytes, now: float):
+                return _gossip.make_antientropy(
+                    ident, fp, now=now, ttl=cfg.partition_ttl_s,
+                    refresh_interval=cfg.partition_refresh_s,
+                    min_record_interval=cfg.min_record_interval_s,
+                    compaction_ratio=cfg.compaction_ratio,
+                )  # fmt: skip
+
+            n.pd = PartitionedDigest(
+                n.ident, MODEL_FP, make_stream=make_stream,
+                config=PartitionConfig(n_partitions=cfg.partitions, replicas=cfg.replicas,
+                                       lookup_ttl_s=cfg.lookup_ttl_s),
+            )  # fmt: skip
+            n.lookups = LookupCache(cfg.lookup_ttl_s, n.pd.config.key_depth)
         n.policy = make_policy(
             cfg.policy, self.routing, random.Random(self.rng.getrandbits(64)), n.pid
         )
@@ -392,7 +440,7 @@ class Simulator:
     def _evicted(self, node: _Node, entry) -> None:
         chain = entry.payload
         if chain:
-            node.ae.local_remove_prefix(self.ns, chain)
+            self._unadvertise(node, chain)
             tb = node.true_blocks
             for h in chain:
                 c = tb[h] - 1
@@ -400,6 +448,18 @@ class Simulator:
                     tb[h] = c
                 else:
                     del tb[h]
+
+    def _advertise(self, node: _Node, chain: list[bytes]) -> None:
+        if node.pd is not None:
+            node.pd.local_add_prefix(self.ns, chain, self.now)
+        else:
+            node.ae.local_add_prefix(self.ns, chain)
+
+    def _unadvertise(self, node: _Node, chain: list[bytes]) -> None:
+        if node.pd is not None:
+            node.pd.local_remove_prefix(self.ns, chain, self.now)
+        else:
+            node.ae.local_remove_prefix(self.ns, chain)
 
     def _true_match_tokens(self, node: _Node, chain: list[bytes]) -> int:
         tb = node.true_blocks
@@ -440,8 +500,10 @@ class Simulator:
                     self._done(a)
                 elif kind == _EV_GOSSIP:
                     self._gossip(a)
-                else:
+                elif kind == _EV_MSG:
                     self._message(a, b)
+                else:
+                    self._partition_message(a, b)
         wall = time.perf_counter() - wall0
         return self._result(wall)
 
@@ -475,7 +537,12 @@ class Simulator:
         candidates: list[Candidate] = []
         hop_budget = self.max_hops - sr.hops
         if hop_budget > 0 and cfg.nodes > 1:
-            if policy_name in _USES_INDEX:
+            if policy_name in _USES_INDEX and node.pd is not None:
+                matches = self._partition_matches(node, sr, chain)
+                if matches is None:
+                    return  # a lookup is on its way; _arrive runs again with the answer
+                candidates = self._candidates_from(node, matches, sr.visited)
+            elif policy_name in _USES_INDEX:
                 candidates = self._index_candidates(node, chain, sr.visited)
             elif policy_name == "oracle":
                 candidates = self._oracle_candidates(node, chain)
@@ -492,7 +559,7 @@ class Simulator:
             hop_budget=hop_budget,
             visited=sr.visited,
             all_peers=self.all_pids if policy_name in _PICK_ONE else (),
-            n_nodes=len(node.known) + 1,
+            n_nodes=len(node.known) + 1 if node.pd is None else cfg.nodes,
             forwarded_in=sr.hops > 0,
         )
         if decision.action == FORWARD and decision.peer is not None:
@@ -510,6 +577,93 @@ class Simulator:
             self._push(self.now + d, _EV_ARRIVE, sr)
             return
         self._enqueue(node, sr, local_matched)
+
+    def _partition_matches(self, node: _Node, sr: _Req, chain: list[bytes]) -> dict | None:
+        """Holder -> matched blocks for a partitioned router: its own index when it is a
+        home of the chain's partition, else a cached or fresh lookup answer (None: a
+        lookup was sent). Only the entry node looks up; a forwarded request is decided
+        with what the node knows."""
+        if not chain:
+            return {}
+        pd = node.pd
+        p = pd.partition(self.ns, chain)
+        homes = pd.homes(p, self.all_pids)
+        if node.pid in homes:
+            index = pd.indexes.get(p)
+            return index.longest_matches(self.ns, chain) if index is not None else {}
+        answer = sr.answer
+        if answer is None:
+            answer = node.lookups.get(self.ns, chain, self.now)
+        if answer is None:
+            if sr.hops or sr.looked_up:
+                return {}
+            sr.looked_up = True
+            home = self.nodes[self.by_pid[homes[0]]]
+            data = encode_lookup(p, self.ns, chain)
+            node.lookup_bytes += len(data)
+            self.m_lookups += 1
+            self._push(self.now + self.link_delay(), _EV_PART, (_LOOKUP, node, home, sr),
+                       (data, (p, self.ns, chain)))  # fmt: skip
+            return None
+        # Kept on the request: a forward carries the holder list on to the next hop (it
+        # would ride in the forwarded request), which then decides with it too.
+        sr.answer = answer
+        return {h.peer: h.blocks for h in answer}
+
+    def _partition_message(self, head: tuple, body: tuple) -> None:
+        kind, src, dst, extra = head
+        data, value = body
+        decode = self.cfg.decode_messages
+        pd = dst.pd
+        if kind == _PUSH:
+            p, raws = decode_push(data) if decode else value
+            entries, applied = pd.receive_push(src.pid, p, raws, self.now, self.all_pids)
+            ack = encode_ack(p, entries)
+            dst.bytes_sent += len(ack)
+            self.m_gossip_msgs += 1
+            self._push(self.now + self.link_delay(), _EV_PART, (_ACK, dst, src, None),
+                       (ack, (p, entries)))  # fmt: skip
+        elif kind == _ACK:
+            p, entries = decode_ack(data) if decode else value
+            pd.receive_ack(src.pid, p, entries)
+        elif kind == _LOOKUP:
+            p, ns, chain = decode_lookup(data) if decode else value
+            holders = pd.lookup(p, ns, chain)
+            answer = encode_lookup_answer(holders)
+            dst.lookup_bytes += len(answer)
+            self._push(self.now + self.link_delay(), _EV_PART, (_ANSWER, dst, src, extra),
+                       (answer, holders))  # fmt: skip
+        else:
+            holders: list[HolderMatch] = decode_lookup_answer(data) if decode else value
+            sr = extra
+            router = dst
+            router.pd.note_answer(holders)
+            router.lookups.put(self.ns, self._chain(sr.req), holders, self.now)
+            sr.answer = holders
+            self._arrive(sr)
+
+    def _candidates_from(
+        self, node: _Node, matches: dict, visited: frozenset[bytes]
+    ) -> list[Candidate]:
+        cands: list[Candidate] = []
+        seen = set()
+        for peer, blocks in matches.items():
+            if peer in visited or peer == node.pid or peer not in self.by_pid:
+                continue
+            c = self._estimate_candidate(node, peer, blocks * 16)
+            if c is not None:
+                cands.append(c)
+                seen.add(peer)
+        k = self.cfg.shed_candidates
+        if k and node.known and self.cfg.policy == "prefixmesh":
+            for peer in self.rng_route.sample(node.known, min(k, len(node.known))):
+                if peer in seen or peer in visited or peer == node.pid:
+                    continue
+                c = self._estimate_candidate(node, peer, 0)
+                if c is not None:
+                    cands.append(c)
+                    seen.add(peer)
+        return cands
 
     def _index_candidates(
         self, node: _Node, chain: list[bytes], visited: frozenset[bytes]
@@ -536,23 +690,31 @@ class Simulator:
         return cands
 
     def _estimate_candidate(self, node: _Node, peer: bytes, matched: int) -> Candidate | None:
-        est = node.index.estimate(peer)
-        if est is None:
-            return None
-        load = float(est.load.queue_depth + est.load.active)
+        if node.pd is not None:
+            known = node.pd.load_of(peer)
+            if known is None:
+                return None
+            figures, expires_at = known
+        else:
+            est = node.index.estimate(peer)
+            if est is None:
+                return None
+            figures, expires_at = est.load, est.expires_at
+        load = float(figures.queue_depth + figures.active)
         if self.cfg.inflight_correction:
             # Requests this node forwarded to the peer after the peer issued the load
             # figure it advertised are not in that figure yet: count them on top.
             log = node.fwd_log.get(peer)
             if log:
-                issued = est.expires_at - self.cfg.digest_ttl_s
+                ttl = self.cfg.digest_ttl_s if node.pd is None else self.cfg.partition_ttl_s
+                issued = expires_at - ttl
                 while log and log[0] <= issued:
                     log.popleft()
                 load += len(log)
         return Candidate(
             peer=peer,
             matched_tokens=matched,
-            prefill_tps=est.load.prefill_tps,
+            prefill_tps=figures.prefill_tps,
             queue_wait_s=load * node.svc_mean,
             load=load,
             rtt_s=self.rtt_s,
@@ -658,7 +820,7 @@ class Simulator:
             size = len(tokens) * self.cfg.bytes_per_token
             entry = node.tree.insert(tokens, chain, size)
             if entry is not None and chain:
-                node.ae.local_add_prefix(self.ns, chain)  # liars advertise real ones too
+                self._advertise(node, chain)  # liars advertise real ones too
                 tb = node.true_blocks
                 for h in chain:
                     tb[h] = tb.get(h, 0) + 1
@@ -676,6 +838,9 @@ class Simulator:
         now = self.now
         if node.liar:
             self._lie(node)
+        if node.pd is not None:
+            self._gossip_partitioned(node)
+            return
         node.ae.set_local_load(
             LoadFigures(
                 queue_depth=len(node.queue),
@@ -700,16 +865,41 @@ class Simulator:
             )
         self._push(now + cfg.gossip_interval_s, _EV_GOSSIP, node)
 
+    def _gossip_partitioned(self, node: _Node) -> None:
+        cfg = self.cfg
+        now = self.now
+        pd = node.pd
+        pd.set_local_load(
+            LoadFigures(
+                queue_depth=len(node.queue),
+                active=1 if node.busy else 0,
+                prefill_tps=cfg.prefill_tps,
+                decode_tps=cfg.decode_tps,
+            ),
+            cfg.kv_capacity_bytes,
+            node.tree.used_bytes,
+        )
+        pd.tick(now)
+        node.known = [p for p in pd.known_peers() if p != node.pid]
+        for push in pd.pushes(now, self.all_pids, cfg.gossip_budget_bytes):
+            data = encode_push(push.partition, push.records)
+            node.bytes_sent += len(data)
+            self.m_gossip_msgs += 1
+            home = self.nodes[self.by_pid[push.home]]
+            self._push(now + self.link_delay(), _EV_PART, (_PUSH, node, home, None),
+                       (data, (push.partition, push.records)))  # fmt: skip
+        self._push(now + cfg.gossip_interval_s, _EV_GOSSIP, node)
+
     def _lie(self, node: _Node) -> None:
         """Advertise a few recently requested (hence popular) prefixes without holding them."""
         if not self.recent_chains:
             return
         for _ in range(4):
             chain = self.recent_chains[self.rng_liar.randrange(len(self.recent_chains))]
-            node.ae.local_add_prefix(self.ns, chain)
+            self._advertise(node, chain)
             node.lies.append(chain)
         while len(node.lies) > 64:
-            node.ae.local_remove_prefix(self.ns, node.lies.popleft())
+            self._unadvertise(node, node.lies.popleft())
 
     def _send(self, src: _Node, dst: _Node, msg: _gossip.Message | None) -> None:
         if msg is None:
@@ -763,6 +953,8 @@ class Simulator:
             "forwards_with_estimate": self.m_est_forwards,
             "digest_bytes_per_node_s": total_bytes / n / span,
             "gossip_messages": self.m_gossip_msgs,
+            "lookups": self.m_lookups,
+            "lookup_bytes_per_node_s": sum(nd.lookup_bytes for nd in self.nodes) / n / span,
             "forwarded_to_liars": self.m_to_liar,
             "liars": sum(1 for nd in self.nodes if nd.liar),
             "requests_per_wall_minute": self.m_done / wall * 60.0 if wall > 0 else 0.0,
@@ -991,6 +1183,14 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-peer delta summaries in anti-entropy exchanges")
     p.add_argument("--bucket-summaries", action="store_true",
                    help="compare bucket hashes first, then only the differing buckets' entries")
+    p.add_argument("--partitions", type=int, default=d.partitions,
+                   help="partial replication: P digest partitions by chain root, each kept at "
+                        "--replicas home nodes (0: full replication, the node's behaviour)")
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--lookup-ttl", type=float, default=d.lookup_ttl_s,
+                   help="seconds a router keeps a home's lookup answer (partitioned digests)")
+    p.add_argument("--partition-refresh", type=float, default=d.partition_refresh_s,
+                   help="refresh interval of partition streams, seconds (their TTL is 3x)")
     p.add_argument("--max-hops", type=int, default=None)
     p.add_argument("--liars", type=float, default=0.0, help="fraction of lying nodes")
     p.add_argument("--trust-feedback", action="store_true",
@@ -1027,6 +1227,11 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         bucket_summaries=ns.bucket_summaries,
         compaction_ratio=ns.compaction_ratio,
         max_hops=ns.max_hops,
+        partitions=ns.partitions,
+        replicas=ns.replicas,
+        lookup_ttl_s=ns.lookup_ttl,
+        partition_refresh_s=ns.partition_refresh,
+        partition_ttl_s=min(3600.0, 3 * ns.partition_refresh),
         liar_fraction=ns.liars,
         trust_feedback=ns.trust_feedback,
         inflight_correction=ns.inflight_correction,
@@ -1068,7 +1273,8 @@ def run_bench_sim(ns: argparse.Namespace) -> int:
         f"p99 {m['latency_s']['p99']:.3f}s; TTFT mean {m['ttft_s']['mean']:.3f}s\n"
         f"  load max/mean {m['load_imbalance_requests']:.2f} (busy {m['load_imbalance_busy']:.2f});"
         f" forwarded {m['forwarded_fraction']:.3f}; false hits {m['false_hit_rate']:.3f}\n"
-        f"  digest {m['digest_bytes_per_node_s']:.0f} B/s per node; "
+        f"  digest {m['digest_bytes_per_node_s']:.0f} B/s per node"
+        f" (+ lookups {m['lookup_bytes_per_node_s']:.0f} B/s); "
         f"{m['requests_per_wall_minute']:.0f} simulated requests per wall minute"
     )
     return 0

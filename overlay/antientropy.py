@@ -755,6 +755,13 @@ class AntiEntropy:
         self._pending_remove.clear()
         return [self._issue(now, KIND_DELTA, chunk) for chunk in self._chunk(groups)]
 
+    def restate(self, now: float) -> list[SignedRecord]:
+        """Issue a fresh snapshot now, whatever is due. A new partition stream
+        (:mod:`.partition`) states its first prefixes this way in one record, instead of
+        an empty snapshot followed by a delta ``min_record_interval`` later."""
+        self._force_snapshot = True
+        return self.tick(now)
+
     def _estimate_delta_bytes(self) -> int:
         n = sum(len(s) for s in self._pending_add.values())
         n += sum(len(s) for s in self._pending_remove.values())
@@ -841,6 +848,10 @@ class AntiEntropy:
         """origin -> (epoch, last seq held), including our own stream."""
         return dict(self._summary)
 
+    def version_of(self, origin: bytes) -> tuple[int, int] | None:
+        """(epoch, last seq) held for ``origin`` (our own included), or None."""
+        return self._summary.get(origin)
+
     def origins(self) -> list[bytes]:
         """Remote origins currently held."""
         return [o for o in self._logs if o != self.peer_id]
@@ -856,11 +867,14 @@ class AntiEntropy:
         budget_bytes: int,
         want_snapshots: Iterable[bytes] = (),
         scope: tuple[int, Iterable[int]] | None = None,
+        origins: Iterable[bytes] | None = None,
     ) -> list[SignedRecord]:
         """The records a peer with ``peer_summary`` lacks, within ``budget_bytes``.
 
         ``scope=(k, buckets)``: the peer's summary covers only the origins in those
-        buckets (a :class:`ScopedSummary`); origins outside them are left out."""
+        buckets (a :class:`ScopedSummary`); origins outside them are left out.
+        ``origins``: only these origins' records (a partition push sends the pusher's own
+        stream only, see :mod:`.partition`)."""
         want = set(want_snapshots)
         logs = self._logs
         try:
@@ -874,6 +888,8 @@ class AntiEntropy:
             in_scope = set(buckets)
             differ = {o for o in differ if bucket_of(o, k) in in_scope}
         differ.update(o for o in want if o in logs)  # snapshot requests: whatever the scope
+        if origins is not None:
+            differ.intersection_update(origins)
         queues = []
         for origin in differ:
             log = logs[origin]

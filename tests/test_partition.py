@@ -1,0 +1,411 @@
+"""Partial replication of digests (overlay/partition.py): pure-state tests with real
+signed records, property tests of the partition map and codecs, and simulator runs."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixmesh.bench.sim import SimConfig, Simulator
+from prefixmesh.bench.workloads import synthetic_workload
+from prefixmesh.overlay.antientropy import AntiEntropy
+from prefixmesh.overlay.digest import MAX_MODEL_FP_BYTES, LoadFigures
+from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.partition import (
+    HolderMatch,
+    LookupCache,
+    NotAHome,
+    PartitionConfig,
+    PartitionedDigest,
+    PartitionMessageError,
+    decode_ack,
+    decode_lookup,
+    decode_lookup_answer,
+    decode_push,
+    encode_ack,
+    encode_lookup,
+    encode_lookup_answer,
+    encode_push,
+    partition_homes,
+    partition_key,
+    partition_model_fp,
+    partition_of,
+)
+
+MODEL = b"test-model-fp"
+NS = b"N" * 8
+OTHER_NS = b"O" * 8
+BUDGET = 64 * 1024
+
+
+def _ident(i: int) -> Identity:
+    return Identity.from_seed(bytes([i + 1]) * 32)
+
+
+def _node(i: int, **config) -> PartitionedDigest:
+    ident = _ident(i)
+
+    def make_stream(fp: bytes, now: float) -> AntiEntropy:
+        return AntiEntropy(ident, fp, epoch=1, now=now, ttl=600.0, refresh_interval=200.0,
+                           min_record_interval=5.0)  # fmt: skip
+
+    cfg = PartitionConfig(**{"n_partitions": 16, "replicas": 2, **config})
+    return PartitionedDigest(ident, MODEL, config=cfg, make_stream=make_stream)
+
+
+def _chain(seed: int, n: int = 8) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(8) for _ in range(n)]
+
+
+class Net:
+    """A few PartitionedDigest nodes exchanging the real encoded messages by hand."""
+
+    def __init__(self, n: int, **config) -> None:
+        self.nodes = [_node(i, **config) for i in range(n)]
+        self.by_pid = {nd.peer_id: nd for nd in self.nodes}
+        self.pids = [nd.peer_id for nd in self.nodes]
+        self.bytes = 0
+
+    def round(self, now: float, *, drop_pushes: bool = False, drop_acks: bool = False) -> int:
+        """Tick everyone and deliver every push (and its ack); returns pushes sent."""
+        sent = 0
+        for nd in self.nodes:
+            nd.tick(now)
+            for push in nd.pushes(now, self.pids, BUDGET):
+                sent += 1
+                data = encode_push(push.partition, push.records)
+                self.bytes += len(data)
+                if drop_pushes:
+                    continue
+                home = self.by_pid[push.home]
+                p, raws = decode_push(data)
+                entries, _ = home.receive_push(nd.peer_id, p, raws, now, self.pids)
+                ack = encode_ack(p, entries)
+                self.bytes += len(ack)
+                if not drop_acks:
+                    nd.receive_ack(home.peer_id, *decode_ack(ack))
+        return sent
+
+    def lookup(self, router: PartitionedDigest, chain: list[bytes]) -> dict[bytes, int]:
+        p = router.partition(NS, chain)
+        home = self.by_pid[router.homes(p, self.pids)[0]]
+        p2, ns, ch = decode_lookup(encode_lookup(p, NS, chain))
+        answer = decode_lookup_answer(encode_lookup_answer(home.lookup(p2, ns, ch)))
+        return {h.peer: h.blocks for h in answer}
+
+
+# --- the partition map ---------------------------------------------------------------------
+
+
+@given(st.lists(st.binary(min_size=8, max_size=8), min_size=1, max_size=12),
+       st.integers(1, 8), st.integers(1, 4096))  # fmt: skip
+def test_chains_sharing_the_key_depth_share_a_partition(chain, depth, n_partitions):
+    p = partition_of(NS, partition_key(chain, depth), n_partitions)
+    assert 0 <= p < n_partitions
+    if len(chain) >= depth:
+        longer = chain + [b"x" * 8, b"y" * 8]
+        assert partition_of(NS, partition_key(longer, depth), n_partitions) == p
+
+
+def test_partitions_spread_and_depend_on_namespace():
+    roots = [random.Random(i).randbytes(8) for i in range(4000)]
+    counts = [0] * 16
+    for r in roots:
+        counts[partition_of(NS, r, 16)] += 1
+    assert min(counts) > 150  # 250 expected per partition
+    assert any(partition_of(NS, r, 16) != partition_of(OTHER_NS, r, 16) for r in roots[:20])
+
+
+@settings(max_examples=60)
+@given(st.integers(0, 1000), st.integers(2, 20), st.integers(1, 5), st.integers(0, 2**31))
+def test_homes_are_rendezvous_stable(p, n, r, seed):
+    rng = random.Random(seed)
+    nodes = [rng.randbytes(38) for _ in range(n)]
+    homes = partition_homes(p, nodes, r)
+    assert len(homes) == min(r, n) and len(set(homes)) == len(homes)
+    assert set(homes) <= set(nodes)
+    assert partition_homes(p, list(reversed(nodes)), r) == homes  # order-independent
+    newcomer = rng.randbytes(38)
+    after = partition_homes(p, nodes + [newcomer], r)
+    # a join changes the home set only by admitting the newcomer
+    assert set(after) - {newcomer} <= set(homes)
+    if newcomer not in after:
+        assert after == homes
+    # a leave of a non-home changes nothing
+    non_homes = [x for x in nodes if x not in homes]
+    if non_homes:
+        assert partition_homes(p, [x for x in nodes if x != non_homes[0]], r) == homes
+
+
+def test_partition_fingerprint_binds_partition_and_count():
+    fps = {partition_model_fp(MODEL, p, n) for p in range(4) for n in (4, 8)}
+    assert len(fps) == 8
+    with pytest.raises(ValueError, match="no room"):
+        partition_model_fp(b"m" * MAX_MODEL_FP_BYTES, 0, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"n_partitions": 0}, {"n_partitions": 70000}, {"replicas": 0}, {"replicas": 17},
+     {"key_depth": 0}, {"lookup_ttl_s": -1.0}, {"lookup_ttl_s": float("nan")},
+     {"resend_after_s": 0.0}],
+)  # fmt: skip
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        PartitionConfig(**kwargs)
+
+
+# --- dissemination and lookups -------------------------------------------------------------
+
+
+def test_push_reaches_exactly_the_homes_and_lookup_finds_the_holder():
+    net = Net(6)
+    origin = net.nodes[0]
+    chain = _chain(1)
+    origin.local_add_prefix(NS, chain, 0.0)
+    assert net.round(0.0) >= 1
+    p = origin.partition(NS, chain)
+    homes = set(origin.homes(p, net.pids))
+    for nd in net.nodes:
+        index = nd.indexes.get(p)
+        knows = index is not None and index.longest_match(origin.peer_id, NS, chain) == 8
+        assert knows == (nd.peer_id in homes or nd is origin), nd.peer_id in homes
+    # in sync: nothing more to push
+    assert net.round(1.0) == 0
+    # any router finds the holder through a home, with the matched block count
+    router = next(nd for nd in net.nodes if nd.peer_id not in homes and nd is not origin)
+    assert net.lookup(router, chain + _chain(99, 3)) == {origin.peer_id: 8}
+    assert net.lookup(router, chain[:5]) == {origin.peer_id: 5}
+    # a chain sharing fewer than key_depth blocks lands elsewhere (and would not pay)
+    assert net.lookup(router, _chain(2)) == {}
+
+
+def test_removal_reaches_the_homes():
+    net = Net(5)
+    origin, router = net.nodes[0], net.nodes[1]
+    chain = _chain(3)
+    origin.local_add_prefix(NS, chain, 0.0)
+    net.round(0.0)
+    assert net.lookup(router, chain) == {origin.peer_id: 8}
+    origin.local_remove_prefix(NS, chain, 1.0)
+    net.round(10.0)  # after the 5 s batching interval
+    assert net.lookup(router, chain) == {}
+
+
+def test_homes_answer_for_themselves_and_others():
+    net = Net(3, replicas=3)  # everyone is a home
+    chain = _chain(4)
+    for nd in net.nodes:
+        nd.local_add_prefix(NS, chain, 0.0)
+    net.round(0.0)
+    p = net.nodes[0].partition(NS, chain)
+    for nd in net.nodes:
+        assert {h.peer for h in nd.lookup(p, NS, chain)} == set(net.pids)
+
+
+def test_lost_pushes_and_acks_are_resent_and_converge():
+    net = Net(5)
+    origin = net.nodes[0]
+    chain = _chain(5)
+    origin.local_add_prefix(NS, chain, 0.0)
+    assert net.round(0.0, drop_pushes=True) >= 1
+    assert net.round(1.0) == 0  # in flight: wait resend_after_s
+    assert net.round(5.5, drop_acks=True) >= 1  # resent; delivered but the ack is lost
+    assert net.round(11.0) >= 1  # resent again (duplicates are ignored), now acknowledged
+    assert net.round(12.0) == 0
+    router = next(nd for nd in net.nodes if nd is not origin)
+    assert net.lookup(router, chain) == {origin.peer_id: 8}
+    p = origin.partition(NS, chain)
+    for home in origin.homes(p, net.pids):
+        assert net.by_pid[home].streams[p].version_of(origin.peer_id) == origin.streams[
+            p
+        ].version_of(origin.peer_id)
+
+
+def test_a_home_that_missed_records_gets_them_from_its_acknowledged_version():
+    net = Net(4, replicas=1)
+    origin = net.nodes[0]
+    chains = [_chain(10 + i) for i in range(3)]
+    # three prefixes in one partition (same key block), added over time
+    base = _chain(10)
+    chains = [base[:4] + _chain(20 + i, 4) for i in range(3)]
+    origin.local_add_prefix(NS, chains[0], 0.0)
+    net.round(0.0)
+    origin.local_add_prefix(NS, chains[1], 1.0)
+    net.round(6.0, drop_pushes=True)  # a delta is lost
+    origin.local_add_prefix(NS, chains[2], 7.0)
+    net.round(12.0)  # the next push starts from what the home acknowledged
+    router = next(nd for nd in net.nodes if nd is not origin)
+    for c in chains:
+        assert net.lookup(router, c) == {origin.peer_id: 8}
+
+
+def test_push_to_a_non_home_is_refused_and_a_replay_across_partitions_is_rejected():
+    net = Net(6)
+    origin = net.nodes[0]
+    chain = _chain(6)
+    origin.local_add_prefix(NS, chain, 0.0)
+    origin.tick(0.0)
+    pushes = origin.pushes(0.0, net.pids, BUDGET)
+    p = pushes[0].partition
+    homes = set(origin.homes(p, net.pids))
+    outsider = next(nd for nd in net.nodes if nd.peer_id not in homes and nd is not origin)
+    with pytest.raises(NotAHome):
+        outsider.receive_push(origin.peer_id, p, pushes[0].records, 0.0, net.pids)
+    # the same signed records presented as another partition's, at one of its homes
+    q = next(q for q in range(16) if q != p)
+    q_home = net.by_pid[origin.homes(q, net.pids)[0]]
+    entries, applied = q_home.receive_push(origin.peer_id, q, pushes[0].records, 0.0, net.pids)
+    assert applied == [] and entries == {}
+    assert q_home.streams[q].stats["rejected"]["WrongModel"] == len(pushes[0].records)
+    with pytest.raises(PartitionMessageError):
+        q_home.receive_push(origin.peer_id, 16, pushes[0].records, 0.0, net.pids)
+
+
+def test_load_view_keeps_the_freshest_figures():
+    nd = _node(0)
+    peer = _ident(1).peer_id
+    old = HolderMatch(peer, 3, LoadFigures(9, 1, 1.0, 1.0), 100.0)
+    new = HolderMatch(peer, 3, LoadFigures(0, 0, 2.0, 2.0), 200.0)
+    nd.note_answer([new, old])
+    assert nd.load_of(peer) == (new.load, 200.0)
+    assert nd.known_peers() == [peer]
+
+
+def test_lookup_cache_reuses_an_answer_only_where_it_is_exact():
+    cache = LookupCache(ttl_s=2.0, key_depth=4)
+    chain = _chain(7, 10)
+    peer, other_peer = _ident(1).peer_id, _ident(2).peer_id
+    holders = [HolderMatch(peer, 6, LoadFigures(), 50.0),
+               HolderMatch(other_peer, 4, LoadFigures(), 50.0)]  # fmt: skip
+    cache.put(NS, chain, holders, 0.0)
+    assert cache.get(NS, chain, 1.0) == holders
+    # agrees on the 6 blocks some holder matched: the same answer, exactly
+    assert cache.get(NS, chain[:6] + _chain(8, 5), 1.0) == holders
+    # departs at block 5, before the longest match: a miss (look up afresh)
+    assert cache.get(NS, chain[:5] + _chain(8, 5), 1.0) is None
+    assert cache.get(NS, chain[:5], 1.0) is None  # shorter than what was matched
+    assert cache.get(NS, chain, 2.0) is None  # expired
+    assert cache.get(OTHER_NS, chain, 1.0) is None
+    assert LookupCache(ttl_s=0.0, key_depth=4).get(NS, chain, 0.0) is None
+    empty = LookupCache(ttl_s=2.0, key_depth=4)
+    empty.put(NS, chain, [], 0.0)  # nobody holds it: any chain with this key misses too
+    assert empty.get(NS, chain[:4] + _chain(9, 3), 1.0) == []
+
+
+def _chained(symbols: list[int]) -> list[bytes]:
+    """Block hashes as the real chain has them: each names its whole prefix."""
+    out, prev = [], b""
+    for x in symbols:
+        prev = hashlib.blake2b(prev + bytes([x]), digest_size=8).digest()
+        out.append(prev)
+    return out
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=8),
+       st.lists(st.integers(0, 2), min_size=1, max_size=8),
+       st.lists(st.tuples(st.booleans(), st.integers(3, 10)), min_size=1, max_size=3))  # fmt: skip
+def test_lookup_cache_never_overstates_and_lists_every_holder(a, b, holdings):
+    """For two chains with one key block, a cached answer, when reused, lists exactly the
+    nodes a fresh lookup would, each credited with at most (and, short of the point where
+    the chains depart, exactly) its fresh match."""
+    net = Net(1 + len(holdings), replicas=4, key_depth=2)
+    chain_a = _chained([7, 7] + a)
+    chain_b = _chained([7, 7] + b)
+    for nd, (use_a, n) in zip(net.nodes[1:], holdings, strict=True):
+        nd.local_add_prefix(NS, (chain_a if use_a else chain_b)[:n], 0.0)
+    net.round(0.0)
+    router = net.nodes[0]
+    p = router.partition(NS, chain_a)
+    assert router.partition(NS, chain_b) == p
+    cache = LookupCache(ttl_s=5.0, key_depth=2)
+    cache.put(NS, chain_a, router.lookup(p, NS, chain_a), 0.0)
+    cached = cache.get(NS, chain_b, 1.0)
+    if cached is None:
+        return
+    fresh = {h.peer: h.blocks for h in router.lookup(p, NS, chain_b)}
+    got = {h.peer: h.blocks for h in cached}
+    assert set(got) == set(fresh)
+    common = next((i for i, (x, y) in enumerate(zip(chain_a, chain_b, strict=False)) if x != y),
+                  min(len(chain_a), len(chain_b)))  # fmt: skip
+    for peer, blocks in got.items():
+        assert blocks <= fresh[peer]
+        if blocks < common:
+            assert blocks == fresh[peer]
+
+
+# --- codecs ------------------------------------------------------------------------------------
+
+
+@given(st.integers(0, 65535), st.lists(st.binary(max_size=300), max_size=20))
+def test_push_round_trip(p, raws):
+    assert decode_push(encode_push(p, raws)) == (p, raws)
+
+
+@given(st.integers(0, 65535), st.dictionaries(st.binary(min_size=38, max_size=38),
+       st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1)), max_size=8))  # fmt: skip
+def test_ack_round_trip(p, entries):
+    assert decode_ack(encode_ack(p, entries)) == (p, entries)
+
+
+@given(st.integers(0, 65535), st.lists(st.binary(min_size=8, max_size=8), max_size=64))
+def test_lookup_round_trip(p, chain):
+    assert decode_lookup(encode_lookup(p, NS, chain)) == (p, NS, chain)
+
+
+_holder = st.builds(
+    HolderMatch,
+    st.binary(min_size=38, max_size=38),
+    st.integers(1, 4096),
+    st.builds(LoadFigures, st.integers(0, 1000), st.integers(0, 100),
+              st.floats(0, 1e9), st.floats(0, 1e9)),  # fmt: skip
+    st.floats(0, 1e10),
+)
+
+
+@given(st.lists(_holder, max_size=20))
+def test_lookup_answer_round_trip(holders):
+    assert decode_lookup_answer(encode_lookup_answer(holders)) == holders
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xa0", encode_push(1, [])[:-1], encode_ack(1, {}) + b"\x00",
+     encode_lookup(1, b"short", []), encode_lookup(70000, NS, [])],
+)  # fmt: skip
+def test_bad_messages_raise_the_typed_error(data):
+    for decode in (decode_push, decode_ack, decode_lookup, decode_lookup_answer):
+        with pytest.raises(PartitionMessageError):
+            decode(data)
+
+
+# --- the simulator -------------------------------------------------------------------------
+
+
+def _run(**kw):
+    wl = synthetic_workload(600, rate=8.0, n_docs=40, n_system=4, seed=3)
+    base = dict(nodes=16, bucket_summaries=True, compaction_ratio=4.0, min_record_interval_s=5.0)
+    return Simulator(wl, SimConfig(**{**base, **kw})).run().metrics
+
+
+def test_sim_partitioned_keeps_hits_and_cuts_digest_traffic():
+    full = _run()
+    part = _run(partitions=64)
+    assert part["hit_ratio"] >= 0.95 * full["hit_ratio"]
+    assert part["digest_bytes_per_node_s"] < full["digest_bytes_per_node_s"] / 2
+    assert part["lookups"] > 0 and part["lookup_bytes_per_node_s"] > 0
+    assert full["lookups"] == 0
+
+
+def test_sim_partitioned_is_deterministic_and_decoding_changes_nothing():
+    a = _run(partitions=32, nodes=8)
+    b = _run(partitions=32, nodes=8, decode_messages=True)
+    for m in (a, b):
+        m.pop("requests_per_wall_minute")
+    assert a == b
