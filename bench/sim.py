@@ -104,6 +104,7 @@ from prefixmesh.overlay.partition import (
     encode_lookup,
     encode_lookup_answer,
     encode_push,
+    lookup_pays,
 )
 from prefixmesh.overlay.peerindex import PeerCacheIndex
 from prefixmesh.overlay.routing import (
@@ -178,8 +179,8 @@ class SimConfig:
     partitions: int = 0
     replicas: int = 3
     lookup_ttl_s: float = 2.0
-    partition_refresh_s: float = 1200.0
-    partition_ttl_s: float = 3600.0
+    partition_refresh_s: float = 300.0
+    partition_ttl_s: float = 900.0
     liar_fraction: float = 0.0  # nodes advertising prefixes they do not hold
     entry: str = "random"  # random | round-robin | first (all requests enter at node 0)
     seed: int = 0
@@ -359,6 +360,7 @@ class Simulator:
         self.m_done = 0
         self.m_gossip_msgs = 0
         self.m_lookups = 0
+        self.m_lookups_skipped = 0
 
     def _make_node(self, i: int, liar: bool) -> _Node:
         cfg = self.cfg
@@ -596,6 +598,9 @@ class Simulator:
             answer = node.lookups.get(self.ns, chain, self.now)
         if answer is None:
             if sr.hops or sr.looked_up:
+                return {}
+            if not lookup_pays(len(sr.req.tokens), self.cfg.prefill_tps, self.rtt_s):
+                self.m_lookups_skipped += 1
                 return {}
             sr.looked_up = True
             home = self.nodes[self.by_pid[homes[0]]]
@@ -954,6 +959,7 @@ class Simulator:
             "digest_bytes_per_node_s": total_bytes / n / span,
             "gossip_messages": self.m_gossip_msgs,
             "lookups": self.m_lookups,
+            "lookups_skipped": self.m_lookups_skipped,
             "lookup_bytes_per_node_s": sum(nd.lookup_bytes for nd in self.nodes) / n / span,
             "forwarded_to_liars": self.m_to_liar,
             "liars": sum(1 for nd in self.nodes if nd.liar),
@@ -985,8 +991,14 @@ def measure_convergence(
     delta_summaries: bool = False,
     min_record_interval_s: float = 0.0,
     bucket_summaries: bool = False,
+    partitions: int = 0,
+    replicas: int = 3,
 ) -> dict:
     """Time for a new prefix cached at one node to be known to all others (no requests).
+
+    With ``partitions``: the time until every home of the prefix's partition indexes it
+    (from then on any router's lookup finds it; a router holding a cached answer for the
+    same key block sees it at most ``lookup_ttl_s`` later).
 
     N nodes start converged (every node holds every other's records), gossip for two
     intervals, then node 0 caches a new prefix; the result is when the last node's ``PeerCacheIndex`` first matches it, in
@@ -997,8 +1009,11 @@ def measure_convergence(
         nodes=nodes, policy="local", delay_ms=delay_ms, gossip_interval_s=interval_s,
         gossip_fanout=fanout, seed=seed, delta_summaries=delta_summaries,
         min_record_interval_s=min_record_interval_s, bucket_summaries=bucket_summaries,
+        partitions=partitions, replicas=replicas,
     )  # fmt: skip
     sim = Simulator(wl, cfg)
+    if partitions:
+        return _partition_convergence(sim, nodes, fanout, interval_s, seed, max_intervals)
     wall0 = time.perf_counter()
     with memoised_record_decoding():
         # Warm-up by pre-seeding: every node receives every other node's current signed
@@ -1077,6 +1092,67 @@ def measure_convergence(
     }
 
 
+def _partition_convergence(
+    sim: Simulator, nodes: int, fanout: int, interval_s: float, seed: int, max_intervals: float
+) -> dict:
+    """measure_convergence with partitioned digests: until every home indexes the prefix."""
+    wall0 = time.perf_counter()
+    with memoised_record_decoding():
+        for n in sim.nodes:
+            sim._push(sim.rng_gossip.uniform(0, interval_s), _EV_GOSSIP, n)
+        rng = random.Random(seed + 1)
+        # at a random phase of the source's gossip round (it pushes on its next tick)
+        t0 = (2 + rng.random()) * interval_s
+        tokens = tuple(rng.randrange(50_000) for _ in range(64))
+        chain = chain_hashes(sim.ns_key, tokens)
+        src = sim.nodes[0]
+        p = src.pd.partition(sim.ns, chain)
+        homes = [sim.nodes[sim.by_pid[h]] for h in src.pd.homes(p, sim.all_pids)]
+        pending = {h.idx for h in homes if h is not src}
+        t_known: dict[int, float] = {}
+        added = False
+        bytes0 = 0
+        t_end = t0 + max_intervals * interval_s
+        while sim.heap and pending and sim.heap[0][0] <= t_end:
+            t, _, kind, a, b = heapq.heappop(sim.heap)
+            if not added and t >= t0:
+                sim.now = t0
+                src.pd.local_add_prefix(sim.ns, chain, t0)
+                bytes0 = sum(n.bytes_sent for n in sim.nodes)
+                added = True
+            sim.now = t
+            if kind == _EV_GOSSIP:
+                sim._gossip(a)
+            elif kind == _EV_PART:
+                sim._partition_message(a, b)
+                dst = a[2]
+                index = dst.pd.indexes.get(p)
+                if (added and dst.idx in pending and index is not None
+                        and index.longest_match(src.pid, sim.ns, chain) >= len(chain)):
+                    pending.discard(dst.idx)
+                    t_known[dst.idx] = sim.now - t0
+        t_all = max(t_known.values()) if not pending and t_known else float("inf")
+        span = max(1e-9, sim.now - t0)
+        bytes1 = sum(n.bytes_sent for n in sim.nodes)
+    bound = 2 * math.log(nodes + 1) / fanout + 2
+    return {
+        "nodes": nodes,
+        "fanout": fanout,
+        "interval_s": interval_s,
+        "partitions": sim.cfg.partitions,
+        "replicas": sim.cfg.replicas,
+        "warmup_complete": True,
+        "converged": not pending,
+        "convergence_s": t_all,
+        "convergence_intervals": t_all / interval_s,
+        "bound_intervals": bound,
+        "within_bound": t_all / interval_s <= bound,
+        "median_known_s": percentile(sorted(t_known.values()), 50) if t_known else float("inf"),
+        "digest_bytes_per_node_s": (bytes1 - bytes0) / nodes / span,
+        "wall_s": time.perf_counter() - wall0,
+    }
+
+
 def measure_idle_digest(
     nodes: int,
     *,
@@ -1091,6 +1167,8 @@ def measure_idle_digest(
     compaction_ratio: float = 1.0,
     refresh_interval_s: float = 20.0,
     digest_ttl_s: float = 60.0,
+    partitions: int = 0,
+    partition_refresh_s: float = SimConfig.partition_refresh_s,
 ) -> dict:
     """Digest bytes/s per node of an idle, converged swarm (no requests).
 
@@ -1105,12 +1183,21 @@ def measure_idle_digest(
         seed=seed, delta_summaries=delta_summaries, min_record_interval_s=min_record_interval_s,
         bucket_summaries=bucket_summaries, compaction_ratio=compaction_ratio,
         refresh_interval_s=refresh_interval_s, digest_ttl_s=digest_ttl_s,
+        partitions=partitions, partition_refresh_s=partition_refresh_s,
+        partition_ttl_s=min(3600.0, 3 * partition_refresh_s),
     )  # fmt: skip
     sim = Simulator(wl, cfg)
     wall0 = time.perf_counter()
     rng = random.Random(seed + 2)
     with memoised_record_decoding():
-        for n in sim.nodes:
+        for n in sim.nodes if partitions else ():
+            # partitioned: nothing to pre-seed, the first pushes go out in the first round
+            # (the first half of the run, not counted)
+            for _ in range(prefixes_per_node):
+                tokens = tuple(rng.randrange(50_000) for _ in range(16 * 16))
+                n.pd.local_add_prefix(sim.ns, chain_hashes(sim.ns_key, tokens), 0.0)
+            sim._push(sim.rng_gossip.uniform(0, interval_s), _EV_GOSSIP, n)
+        for n in () if partitions else sim.nodes:
             for _ in range(prefixes_per_node):
                 tokens = tuple(rng.randrange(50_000) for _ in range(16 * 16))
                 n.ae.local_add_prefix(sim.ns, chain_hashes(sim.ns_key, tokens))
@@ -1132,6 +1219,8 @@ def measure_idle_digest(
                 sim._gossip(a)
             elif kind == _EV_MSG:
                 sim._message(a, b)
+            elif kind == _EV_PART:
+                sim._partition_message(a, b)
         total = sum(n.bytes_sent for n in sim.nodes)
     return {
         "nodes": nodes,
@@ -1142,6 +1231,7 @@ def measure_idle_digest(
         "min_record_interval_s": min_record_interval_s,
         "compaction_ratio": compaction_ratio,
         "refresh_interval_s": refresh_interval_s,
+        "partitions": partitions,
         "digest_bytes_per_node_s": (total - (bytes_half or 0)) / nodes / (duration_s - half),
         "wall_s": time.perf_counter() - wall0,
     }

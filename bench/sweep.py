@@ -103,6 +103,7 @@ def _row(exp: str, cfg: SimConfig, res, **extra) -> dict:
         "false_hit_rate": round(m["false_hit_rate"], 4),
         "digest_Bps_per_node": round(m["digest_bytes_per_node_s"], 1),
         "req_per_wall_min": round(m["requests_per_wall_minute"]),
+        "lookup_Bps_per_node": round(m.get("lookup_bytes_per_node_s", 0.0), 1),
     }
     row.update(extra)
     return row
@@ -393,6 +394,78 @@ def exp_t7(ctx: Ctx) -> list[dict]:
     return rows
 
 
+# the best full-replication variant (T7 table) and partial replication on top of it
+_FULL_BEST = {"bucket_summaries": True, "compaction_ratio": 4.0, "min_record_interval_s": 5.0}
+PARTITION_VARIANTS = [
+    ("full replication (buckets + compaction 4 + batch 5 s)", _FULL_BEST),
+    ("partitioned P=256 r=3", {**_FULL_BEST, "partitions": 256}),
+    ("partitioned P=256 r=3, no batching", {**_FULL_BEST, "partitions": 256,
+                                            "min_record_interval_s": 0.0}),
+    ("partitioned P=256 r=2", {**_FULL_BEST, "partitions": 256, "replicas": 2}),
+]  # fmt: skip
+
+
+def exp_partition(ctx: Ctx) -> list[dict]:
+    """Partial replication (overlay/partition.py) against the best full replication:
+    digest + lookup traffic, hits and latency under load; idle traffic; convergence;
+    simulator speed; T2 at N=256; and lookups at high delay (they cost an RTT)."""
+    seed = ctx.ns.seed
+    rows: list[dict] = []
+    sizes = [4, 8] if ctx.quick else [4, 64, 256]
+    for n in sizes:
+        wl = ctx.workload("mmlu-gen", _n(ctx, max(4000, 40 * n)), alpha=1.0,
+                          rate=PER_NODE_RATE * n)  # fmt: skip
+        for label, knobs in PARTITION_VARIANTS:
+            if n >= 256 and label.endswith(("no batching", "r=2")):
+                continue  # the N=256 full-replication run alone takes minutes
+            cfg = SimConfig(nodes=n, policy="prefixmesh", seed=seed, **knobs)
+            rows.append(_run(ctx, "partition", wl, label, cfg, mode="load"))
+    for n in sizes:
+        r = measure_idle_digest(n, duration_s=120.0 if ctx.quick else 720.0, seed=seed,
+                                partitions=256, compaction_ratio=4.0)  # fmt: skip
+        rows.append({"experiment": "partition", "mode": "idle", "nodes": n,
+                     "label": "partitioned P=256 r=3 (refresh 300 s)",
+                     "digest_Bps_per_node": round(r["digest_bytes_per_node_s"], 1)})  # fmt: skip
+        ctx.log(f"partition idle N={n}: {rows[-1]['digest_Bps_per_node']} B/s")
+    for n in [16, 64] if ctx.quick else [64, 256, 1024]:
+        for s in range(3):
+            r = measure_convergence(n, fanout=3, seed=seed + s, partitions=256)
+            rows.append({"experiment": "partition", "mode": "convergence", "nodes": n,
+                         "label": f"partitioned P=256 r=3, seed {seed + s}",
+                         "convergence_intervals": round(r["convergence_intervals"], 3),
+                         "bound_intervals": round(r["bound_intervals"], 3)})  # fmt: skip
+            ctx.log(f"partition convergence N={n}: {r['convergence_intervals']:.3f} intervals")
+    n = 8 if ctx.quick else 64
+    for per_node in [PER_NODE_RATE, 4.0]:
+        wl = ctx.workload("mmlu-gen", _n(ctx, 10_000), alpha=1.0, rate=per_node * n)
+        wl.ideal_per_request()  # not part of the timed run
+        for label, knobs in PARTITION_VARIANTS[:2]:
+            cfg = SimConfig(nodes=n, policy="prefixmesh", seed=seed, **knobs)
+            res = simulate(wl, cfg)
+            rows.append(_row("partition", cfg, res, label=label, mode="speed",
+                             rate_per_node=per_node))  # fmt: skip
+            ctx.log(f"partition speed N={n} {per_node} req/s/node {label}: "
+                    f"{res.metrics['requests_per_wall_minute']:.0f} req/min")
+    big = 8 if ctx.quick else 256
+    kv = (256 if ctx.quick else NODE_DEFAULT_KV_MIB) * 2**20
+    wl = ctx.workload("mmlu-gen", _n(ctx, max(4000, 40 * big)), alpha=1.0,
+                      rate=PER_NODE_RATE * big)  # fmt: skip
+    cfg = SimConfig(nodes=big, policy="prefixmesh", kv_capacity_bytes=kv, seed=seed,
+                    **PARTITION_VARIANTS[1][1])  # fmt: skip
+    rows.append(_run(ctx, "partition", wl, "partitioned P=256 r=3, 9 GiB/node", cfg,
+                     mode="T2"))  # fmt: skip
+    n = 8 if ctx.quick else 16
+    wl = ctx.workload("mmlu-gen", _n(ctx, 2000), alpha=1.0, rate=PER_NODE_RATE * n)
+    for d in [1, 50, 250]:
+        for label, pol, knobs in [("local", "local", {}),
+                                  ("full replication", "prefixmesh", _FULL_BEST),
+                                  ("partitioned P=256 r=3", "prefixmesh",
+                                   PARTITION_VARIANTS[1][1])]:  # fmt: skip
+            cfg = SimConfig(nodes=n, policy=pol, delay_ms=d, seed=seed, **knobs)
+            rows.append(_run(ctx, "partition", wl, label, cfg, mode="delay"))
+    return rows
+
+
 EXPERIMENTS: dict[str, Callable[[Ctx], list[dict]]] = {
     "delay": exp_delay,
     "load": exp_load,
@@ -407,6 +480,7 @@ EXPERIMENTS: dict[str, Callable[[Ctx], list[dict]]] = {
     "sharegpt": exp_sharegpt,
     "targets": exp_targets,
     "ski": exp_ski,
+    "partition": exp_partition,
 }
 
 
@@ -611,6 +685,12 @@ def write_summary(out: Path, plots: Path, command: str) -> Path:
         "sharegpt": ("Multi-turn chat: ShareGPT conversations (N=8, 0.25 req/s per node)",
                      ["label", "requests", "hit_ratio", "hit_vs_ideal", "latency_mean_s",
                       "latency_p99_s", "ttft_mean_s", "load_imbalance", "forwarded"]),
+        "partition": ("Partial replication (MMLU regenerated, Zipf 1.0, 0.5 req/s per node "
+                      "unless noted; mode: load, idle, convergence, speed, T2, delay)",
+                      ["mode", "label", "nodes", "rtt_ms", "rate_per_node", "hit_ratio",
+                       "hit_vs_ideal", "latency_mean_s", "latency_p99_s", "load_imbalance",
+                       "digest_Bps_per_node", "lookup_Bps_per_node", "convergence_intervals",
+                       "bound_intervals", "req_per_wall_min"]),
         "liars": ("Lying peers (N=64, 0.5 req/s per node)",
                   ["label", "liar_fraction", "hit_ratio", "hit_vs_ideal",
                    "latency_mean_s", "false_hit_rate", "forwarded_to_liars"]),

@@ -68,6 +68,7 @@ Pure code: time comes in as arguments; no trio, libp2p or llama imports.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -104,6 +105,7 @@ __all__ = [
     "LookupCache",
     "partition_of",
     "partition_key",
+    "lookup_pays",
     "partition_model_fp",
     "partition_homes",
     "encode_push",
@@ -182,8 +184,7 @@ def _partition_key(p: int) -> bytes:
 def partition_homes(p: int, nodes: Iterable[bytes], replicas: int) -> list[bytes]:
     """The ``replicas`` homes of partition ``p`` among ``nodes`` (best first)."""
     key = _partition_key(p)
-    ranked = sorted(set(nodes), key=lambda n: (-rendezvous_score(key, n), n))
-    return ranked[:replicas]
+    return heapq.nsmallest(replicas, set(nodes), key=lambda n: (-rendezvous_score(key, n), n))
 
 
 def partition_model_fp(model_fp: bytes, p: int, n_partitions: int) -> bytes:
@@ -240,6 +241,9 @@ class PartitionedDigest:
         self._make_stream = make_stream
         self.streams: dict[int, AntiEntropy] = {}
         self._fresh: set[int] = set()  # streams created since the last tick
+        self._members: frozenset[bytes] = frozenset()
+        self._members_src: object = None
+        self._home_cache: dict[int, list[bytes]] = {}
         self.indexes: dict[int, PeerCacheIndex] = {}
         # (partition, home) -> the home's acknowledged (epoch, seq) of our stream, and
         # the version and time of the push in flight to it
@@ -256,7 +260,20 @@ class PartitionedDigest:
         return partition_of(ns, key, self.config.n_partitions)
 
     def homes(self, p: int, nodes: Iterable[bytes]) -> list[bytes]:
-        return partition_homes(p, nodes, self.config.replicas)
+        """The homes of ``p`` among ``nodes`` and us (we are always live to ourselves).
+        Cached per membership: a caller passing the same collection object again skips
+        even the membership comparison."""
+        if nodes is not self._members_src:
+            members = frozenset(nodes) | {self.peer_id}
+            if members != self._members:
+                self._members = members
+                self._home_cache = {}
+            self._members_src = nodes
+        homes = self._home_cache.get(p)
+        if homes is None:
+            homes = partition_homes(p, self._members, self.config.replicas)
+            self._home_cache[p] = homes
+        return homes
 
     def _stream(self, p: int, now: float) -> AntiEntropy:
         ae = self.streams.get(p)
@@ -312,14 +329,11 @@ class PartitionedDigest:
     def pushes(self, now: float, nodes: Iterable[bytes], budget_bytes: int) -> list[Push]:
         """The pushes due now: per own stream, to each current home (other than us) that
         has not acknowledged our latest (epoch, seq) and has no recent push in flight."""
-        live = list(nodes)
-        if self.peer_id not in live:
-            live.append(self.peer_id)
         out: list[Push] = []
         me = self.peer_id
         for p, ae in self.streams.items():
             version = ae.version_of(me)
-            for home in self.homes(p, live):
+            for home in self.homes(p, nodes):
                 if home == me:
                     continue
                 key = (p, home)
@@ -350,9 +364,7 @@ class PartitionedDigest:
         of ``p`` among ``nodes`` (+ us)."""
         if not 0 <= p < self.config.n_partitions:
             raise PartitionMessageError(f"partition {p} out of range")
-        live = set(nodes)
-        live.add(self.peer_id)
-        if self.peer_id not in self.homes(p, live):
+        if self.peer_id not in self.homes(p, nodes):
             self.stats["refused_pushes"] += 1
             raise NotAHome(f"not a home of partition {p}")
         ae = self._stream(p, now)
@@ -425,6 +437,13 @@ class PartitionedDigest:
 
     def held_bytes(self) -> int:
         return sum(ae.held_bytes() for ae in self.streams.values())
+
+
+def lookup_pays(prompt_tokens: int, prefill_tps: float, rtt_s: float) -> bool:
+    """Whether a lookup can pay at all: it and the forward it may lead to cost two round
+    trips, and the most a hit anywhere can save is prefilling the whole prompt. (A router
+    that is a home, or holds a cached answer, needs no lookup.)"""
+    return prefill_tps > 0 and 2.0 * rtt_s < prompt_tokens / prefill_tps
 
 
 class LookupCache:

@@ -409,3 +409,67 @@ def test_sim_partitioned_is_deterministic_and_decoding_changes_nothing():
     for m in (a, b):
         m.pop("requests_per_wall_minute")
     assert a == b
+
+
+def test_sim_lookups_stop_when_they_cannot_pay():
+    """At 1.5 s one-way a lookup plus a forward (6 s) costs more than prefilling any of
+    these prompts (at most ~1,700 tokens at 420 tok/s): routers that are not homes skip
+    the lookup and serve with what they know."""
+    wl = synthetic_workload(200, rate=2.0, n_docs=20, n_system=2, seed=5)
+    near = Simulator(wl, SimConfig(nodes=16, partitions=64, delay_ms=1.0)).run().metrics
+    far = Simulator(wl, SimConfig(nodes=16, partitions=64, delay_ms=1500.0)).run().metrics
+    assert near["lookups"] > 0 and near["lookups_skipped"] == 0
+    assert far["lookups_skipped"] > 0 and far["lookups"] == 0
+
+
+def test_sim_partitioned_convergence_is_one_round_whatever_n():
+    from prefixmesh.bench.sim import measure_convergence  # noqa: PLC0415
+
+    for n in (16, 128):
+        r = measure_convergence(n, fanout=3, partitions=64)
+        assert r["converged"]
+        assert r["convergence_intervals"] <= 1.0 + 0.01  # next tick + one link delay
+
+
+def test_sim_partitioned_idle_traffic_is_refreshes_only():
+    from prefixmesh.bench.sim import measure_idle_digest  # noqa: PLC0415
+
+    quiet = measure_idle_digest(8, duration_s=100.0, partitions=64, partition_refresh_s=300.0)
+    assert quiet["digest_bytes_per_node_s"] == 0.0  # no refresh falls in the counted half
+    busy = measure_idle_digest(8, duration_s=100.0, partitions=64, partition_refresh_s=20.0)
+    assert busy["digest_bytes_per_node_s"] > 0.0
+
+
+def test_sim_cli_partition_flags():
+    import argparse  # noqa: PLC0415
+
+    from prefixmesh.bench.sim import add_sim_arguments, config_from_args  # noqa: PLC0415
+
+    p = argparse.ArgumentParser()
+    add_sim_arguments(p)
+    cfg = config_from_args(p.parse_args(["--partitions", "128", "--replicas", "2",
+                                         "--lookup-ttl", "0.5", "--partition-refresh", "60"]))
+    assert (cfg.partitions, cfg.replicas, cfg.lookup_ttl_s) == (128, 2, 0.5)
+    assert (cfg.partition_refresh_s, cfg.partition_ttl_s) == (60.0, 180.0)
+    with pytest.raises(ValueError, match="replicas"):
+        Simulator(synthetic_workload(10, seed=1), SimConfig(nodes=4, partitions=8, replicas=0))
+
+
+def test_antientropy_origin_restriction_and_restate():
+    ident = _ident(0)
+    ae = AntiEntropy(ident, MODEL, epoch=1, now=0.0, ttl=600.0, refresh_interval=200.0,
+                     min_record_interval=5.0)  # fmt: skip
+    other = AntiEntropy(_ident(1), MODEL, epoch=1, now=0.0, ttl=600.0, refresh_interval=200.0)
+    other.local_add_prefix(NS, _chain(1))
+    other.tick(0.0)
+    ae.receive([s.raw for s in other.held_records(other.peer_id)], 0.0)
+    assert {s.record.origin for s in ae.records_for({}, BUDGET)} == {ident.peer_id,
+                                                                      other.peer_id}
+    only = ae.records_for({}, BUDGET, origins=(ident.peer_id,))
+    assert {s.record.origin for s in only} == {ident.peer_id}
+    ae.local_add_prefix(NS, _chain(2))
+    assert ae.tick(1.0) == []  # batched: a delta may go out only 5 s after the last record
+    restated = ae.restate(1.0)
+    assert [s.record.kind for s in restated] == ["snapshot"]
+    assert ae.version_of(ident.peer_id) == (1, restated[-1].record.seq)
+    assert ae.version_of(b"\x00" * 38) is None
