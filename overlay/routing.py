@@ -100,7 +100,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 __all__ = [
@@ -162,7 +162,13 @@ class UnknownPolicy(RoutingError):
     """``make_policy`` was asked for a name not in ``POLICY_NAMES``."""
 
 
+_INF = math.inf
+
+
 def _finite_nonneg(value: float, what: str, exc: type[RoutingError]) -> None:
+    t = type(value)
+    if (t is float or t is int) and 0 <= value < _INF:  # the common case, checked cheaply
+        return  # (NaN fails the comparison and takes the general check below)
     if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
         raise exc(f"{what} must be a finite number >= 0, got {value!r}")
 
@@ -260,6 +266,17 @@ class Candidate:
         if self.trust > 1:
             raise InvalidRouteContext(f"candidate trust must be in [0, 1], got {self.trust!r}")
         _finite_nonneg(self.recent_placed, "candidate recent_placed", InvalidRouteContext)
+
+
+def _with_recent_placed(c: Candidate, value: float) -> Candidate:
+    """``replace(c, recent_placed=value)`` without re-validating the fields ``c`` already
+    passed (the simulator builds millions of these; only the new value is checked)."""
+    _finite_nonneg(value, "candidate recent_placed", InvalidRouteContext)
+    new = object.__new__(Candidate)
+    fields = new.__dict__
+    fields.update(c.__dict__)
+    fields["recent_placed"] = value
+    return new
 
 
 @dataclass(frozen=True)
@@ -657,7 +674,7 @@ class RouterMemory:
                 self.placements.record_inbound(now)
             recent = self.placements.recent
             candidates = tuple(
-                c if c.recent_placed else replace(c, recent_placed=recent(c.peer, now))
+                c if c.recent_placed else _with_recent_placed(c, recent(c.peer, now))
                 for c in candidates
             )
             key = rent_key(chain, candidates, self.block_tokens)
