@@ -540,7 +540,7 @@ class Simulator:
         hop_budget = self.max_hops - sr.hops
         if hop_budget > 0 and cfg.nodes > 1:
             if policy_name in _USES_INDEX and node.pd is not None:
-                matches = self._partition_matches(node, sr, chain)
+                matches = self._partition_matches(node, sr, chain, n_tok - local_matched)
                 if matches is None:
                     return  # a lookup is on its way; _arrive runs again with the answer
                 candidates = self._candidates_from(node, matches, sr.visited)
@@ -580,7 +580,9 @@ class Simulator:
             return
         self._enqueue(node, sr, local_matched)
 
-    def _partition_matches(self, node: _Node, sr: _Req, chain: list[bytes]) -> dict | None:
+    def _partition_matches(
+        self, node: _Node, sr: _Req, chain: list[bytes], unmatched: int
+    ) -> dict | None:
         """Holder -> matched blocks for a partitioned router: its own index when it is a
         home of the chain's partition, else a cached or fresh lookup answer (None: a
         lookup was sent). Only the entry node looks up; a forwarded request is decided
@@ -599,7 +601,7 @@ class Simulator:
         if answer is None:
             if sr.hops or sr.looked_up:
                 return {}
-            if not lookup_pays(len(sr.req.tokens), self.cfg.prefill_tps, self.rtt_s):
+            if not lookup_pays(unmatched, self.cfg.prefill_tps, self.rtt_s):
                 self.m_lookups_skipped += 1
                 return {}
             sr.looked_up = True

@@ -28,7 +28,11 @@ Sections and keys (defaults in parentheses; see ``examples/volunteer-node.toml``
     picks), ``n_gpu_layers`` (0).
 ``[digest]`` (cache-digest anti-entropy)
     ``interval_s`` (1.0), ``fanout`` (3), ``byte_budget`` (64KiB per exchange), ``ttl_s`` (60),
-    ``refresh_interval_s`` (20).
+    ``refresh_interval_s`` (20). ``partitions`` (0 = full replication; 1..65536 turns on
+    partial replication, ``overlay.partition``: each prefix's records live at ``replicas``
+    (3, 1..16) home nodes and other routers look them up), ``partition_refresh_s`` (300)
+    and ``partition_ttl_s`` (900): the refresh and lifetime of partition records (long:
+    node liveness is the heartbeats' job, not the digests').
 ``[routing]``
     ``policy`` ("prefixmesh"), ``deadline_s`` (default request deadline, 60), ``hop_budget``
     (2); every other key must be a field of ``overlay.routing.RoutingConfig`` and have the
@@ -474,6 +478,20 @@ class DigestSection:
     compaction_ratio: float = _f(4.0, check=_float(0.0, 64.0, lo_open=True),
                                  doc="re-snapshot own record once deltas since the last "
                                      "snapshot exceed this x its size")
+    partitions: int = _f(0, check=_int(0, 65536),
+                         doc="partial replication: cached prefixes are spread over this many "
+                             "partitions whose records live at `replicas` home nodes each; "
+                             "0 = full replication (every node holds every record)")
+    replicas: int = _f(3, check=_int(1, 16),
+                       doc="home nodes per partition (used when partitions > 0)")
+    partition_refresh_s: float = _f(300.0, check=_float(0.0, 86400.0, lo_open=True),
+                                    doc="re-issue own partition records this often even "
+                                        "without changes (partitions > 0; liveness is the "
+                                        "heartbeat's job)")
+    # at most overlay.digest.MAX_TTL_S: a longer-lived record would be refused by peers
+    partition_ttl_s: float = _f(900.0, check=_float(1.0, 3600.0),
+                                doc="lifetime of a partition record (partitions > 0; "
+                                    "refresh is capped at half of it)")
 
 
 @dataclass

@@ -12,6 +12,13 @@ Wiring
     feeds its requests into the same ``InferService.process``; forward outcomes ->
     ``overlay.trust.TrustTracker`` -> ``Candidate.trust``.
 
+Partial replication (``[digest].partitions > 0``): cache events and load go to a
+``overlay.partition.PartitionedDigest`` instead (one AntiEntropy stream per partition,
+built like the full one but with the partition's fingerprint and
+``[digest].partition_refresh_s``/``partition_ttl_s``), ``overlay.partgossip.PartitionGossip``
+runs instead of ``Gossip`` (pushes to homes, answers lookups; stats as ``part_*``), and the
+infer service takes candidates from it; ``self.index`` then stays empty.
+
 Per-peer input limits come from ``[limits]`` (``node/config.py``): the request rate and
 subnet cap go to ``InferSettings``, the digest-exchange rate to ``Gossip``; refusals are
 counted in ``stats`` (``digest_exchanges_rate_limited``,
@@ -78,6 +85,8 @@ from prefixmesh.overlay.identity import (
     save_identity,
 )
 from prefixmesh.overlay.infer import InferService, InferSettings
+from prefixmesh.overlay.partgossip import PartitionGossip
+from prefixmesh.overlay.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.peerindex import PeerCacheIndex
 from prefixmesh.overlay.routing import RoutingConfig, make_policy
 from prefixmesh.overlay.trust import ForwardShareLimiter, SpotChecker, TrustTracker
@@ -190,6 +199,9 @@ class Node:
             log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", self.options.fault)
         self.ae: AntiEntropy | None = None
         self.gossip: Gossip | None = None
+        # partial replication ([digest].partitions > 0): these replace ae/gossip's role
+        self.pd: PartitionedDigest | None = None
+        self.pgossip: PartitionGossip | None = None
         self.dht = None
         self.mdns = None
         self.started = trio.Event()
@@ -217,13 +229,19 @@ class Node:
 
     def _before_tick(self, now: float) -> None:
         assert self.ae is not None
+        pd = self.pd
         for ev in self.backend.drain_cache_events():
-            if ev.kind == "add":
+            if pd is not None:
+                if ev.kind == "add":
+                    pd.local_add_prefix(ev.ns, ev.chain, now)
+                else:
+                    pd.local_remove_prefix(ev.ns, ev.chain, now)
+            elif ev.kind == "add":
                 self.ae.local_add_prefix(ev.ns, ev.chain)
             else:
                 self.ae.local_remove_prefix(ev.ns, ev.chain)
         load = self.backend.load_figures()
-        self.ae.set_local_load(
+        (pd if pd is not None else self.ae).set_local_load(
             # an unmeasured rate is advertised as 0 ("unknown": peers then assume their own)
             LoadFigures(load.queue_depth, load.active,
                         load.prefill_tps if load.prefill_measured else 0.0, load.decode_tps),
@@ -266,11 +284,27 @@ class Node:
             addrs=self.advertised_addrs(),
             compaction_ratio=cfg.digest.compaction_ratio,
         )
+        if opts.digest and cfg.digest.partitions > 0:
+            self.pd = self._partitioned_digest(now)
         for ns, chain in self._lies:  # test-only lie-digest fault: claim, never hold
-            self.ae.local_add_prefix(ns, chain)
+            if self.pd is not None:
+                self.pd.local_add_prefix(ns, chain, now)
+            else:
+                self.ae.local_add_prefix(ns, chain)
         self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
         self.host.set_handler(wire.PEERS_PROTOCOL, self._handle_peers)
-        if opts.digest:
+        if self.pd is not None:
+            self.pgossip = PartitionGossip(
+                self.host,
+                self.pd,
+                peers=self.heartbeat.up_peers,
+                on_learn=lambda peer, addrs: self.directory.learn(peer, addrs, "gossip"),
+                before_tick=self._before_tick,
+                interval_s=cfg.digest.interval_s,
+                byte_budget=cfg.digest.byte_budget,
+            )
+            self.infer.partition = self.pgossip
+        elif opts.digest:
             self.gossip = Gossip(
                 self.host,
                 self.ae,
@@ -305,6 +339,8 @@ class Node:
                 await nursery.start(self.infer.run_spot_checks)
             if self.gossip is not None:
                 await nursery.start(self.gossip.run)
+            if self.pgossip is not None:
+                await nursery.start(self.pgossip.run)
             nursery.start_soon(bootstrap_loop, self.host, self.directory, list(cfg.node.bootstrap))
             if opts.dht:
                 from prefixmesh.overlay.discovery import DhtDiscovery
@@ -326,6 +362,33 @@ class Node:
                 print("ready", flush=True)
             self.started.set()
             task_status.started(self)
+
+    def _partitioned_digest(self, now: float) -> PartitionedDigest:
+        """Partial replication: one AntiEntropy stream per partition, built like the
+        full-replication stream but with the partition's model fingerprint and the long
+        partition refresh/TTL (``[digest].partition_refresh_s`` / ``partition_ttl_s``)."""
+        dc = self.config.digest
+        identity, addrs = self.identity, self.advertised_addrs()
+
+        def make_stream(fp: bytes, at: float) -> AntiEntropy:
+            # epoch: the stream's creation time (ms), later than any earlier incarnation's
+            return AntiEntropy(
+                identity,
+                fp,
+                epoch=int(at * 1000),
+                now=at,
+                ttl=dc.partition_ttl_s,
+                refresh_interval=min(dc.partition_refresh_s, dc.partition_ttl_s / 2),
+                addrs=addrs,
+                compaction_ratio=dc.compaction_ratio,
+            )
+
+        return PartitionedDigest(
+            identity,
+            self.model_fp,
+            config=PartitionConfig(n_partitions=dc.partitions, replicas=dc.replicas),
+            make_stream=make_stream,
+        )
 
     def _write_addr_file(self) -> None:
         """Tell local clients where we are (``prefixmesh ask`` without --peer)."""
@@ -383,7 +446,8 @@ class Node:
         for peer in sorted(known)[: wire.MAX_PEERS_LISTED]:
             h = self.heartbeat.health.get(peer)
             est = self.index.estimate(peer)
-            heard = self.gossip.last_heard.get(peer) if self.gossip else None
+            digest = self.gossip or self.pgossip  # partitioned: only records we are home of
+            heard = digest.last_heard.get(peer) if digest else None
             addrs = self.directory.addrs_of(peer) or (list(est.addrs) if est else [])
             rows.append(wire.PeerInfo(
                 peer=peer,
@@ -410,6 +474,18 @@ class Node:
         if self.gossip is not None:
             out.update({f"digest_{k}": int(v) for k, v in self.gossip.stats.items()})
             out["digest_rounds"] = self.gossip.rounds
+        if self.pgossip is not None and self.pd is not None:
+            out.update({f"part_{k}": int(v) for k, v in self.pgossip.stats.items()})
+            out["part_rounds"] = self.pgossip.rounds
+            out["part_streams"] = len(self.pd.streams)
+            out["part_lookup_cache_hits"] = self.pgossip.lookup_cache.hits
+            out["part_lookup_cache_misses"] = self.pgossip.lookup_cache.misses
+            rejected: dict[str, int] = {}
+            for ae in self.pd.streams.values():
+                for k, v in ae.stats["rejected"].items():
+                    rejected[k] = rejected.get(k, 0) + int(v)
+            for k, v in rejected.items():
+                out[f"part_rejected_{k}"] = v
         if self.ae is not None:
             for k, v in self.ae.stats["rejected"].items():
                 out[f"rejected_{k}"] = int(v)

@@ -9,7 +9,11 @@ Every node on a request's path decides for itself (no coordinator):
    placements, the same code the simulator drives) from its own radix-tree
    match (``backend.match_length``), the :class:`PeerCacheIndex` estimates for the
    request's chained block hashes, load figures (digests, fresher PONGs), heartbeat RTTs,
-   the hop budget and the visited set, and ask the policy;
+   the hop budget and the visited set, and ask the policy (under partial replication,
+   ``[digest].partitions > 0``, the holders come from the node's own partition index when
+   it is a home of the request's partition, else from a home's lookup answer, cached, or
+   asked for by the entry node when :func:`~.partition.lookup_pays`; see
+   ``_partition_matches``);
 4. serve locally, or forward to the chosen peer with the hop appended to the route trace.
 
 Failure handling (the requester never hangs, no request is silently lost): a forward
@@ -55,9 +59,12 @@ from prefixmesh.node.backend import (
 )
 
 from . import wire
+from .digest import LoadFigures
 from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .identity import peer_id_to_b58
+from .partgossip import PartitionGossip
+from .partition import lookup_pays
 from .peerindex import PeerCacheIndex
 from .routing import Candidate, Policy, RouteContext, RouterMemory, candidate_cost_s
 from .trust import (
@@ -116,6 +123,9 @@ class InferSettings:
     clock_skew_s: float = 5.0
     max_pending_spot_checks: int = 8  # queued re-executions; more are dropped and counted
     spot_check_timeout_s: float = 120.0  # one local re-execution
+    # partial replication: the most an entry node waits for a home's lookup answer (on
+    # expiry: no candidates, decided as if no peer held the prefix)
+    lookup_timeout_s: float = 1.0
     # test-only fault injection (node/daemon.py reads PREFIXMESH_FAULT): "wrong-tokens"
     # makes this node alter the tokens of requests it serves for other nodes
     fault: str = ""
@@ -190,6 +200,7 @@ class InferService:
         trust: TrustTracker | None = None,
         share_limiter: ForwardShareLimiter | None = None,
         spot_checker: SpotChecker | None = None,
+        partition: PartitionGossip | None = None,
     ):
         self.host = host
         self.me = host.peer_id
@@ -219,6 +230,9 @@ class InferService:
         # optional re-execution of forwarded greedy requests (overlay/trust.py SpotChecker);
         # jobs queue for :meth:`run_spot_checks`, which the daemon runs in its nursery
         self.spot_checker = spot_checker
+        # partial replication ([digest].partitions > 0; the daemon sets it once its
+        # PartitionGossip exists): candidates come from partition homes, not self.index
+        self.partition = partition
         self._spot_send: trio.MemorySendChannel | None = None
         self.spot_log: list[dict] = []  # the last verdicts' evidence (bounded, newest last)
         self.closing = False
@@ -453,11 +467,24 @@ class InferService:
         model = self.backend.model_fingerprint
         candidates: list[Candidate] = []
         all_peers: list[bytes] = []
-        matches = self.index.longest_matches(req.ns, chain)
+        part = self.partition
+        if part is not None:
+            matches = await self._partition_matches(
+                req, chain, part, len(req.tokens) - min(local_matched, len(req.tokens))
+            )
+        else:
+            matches = self.index.longest_matches(req.ns, chain)
         for peer in self.heartbeat.up_peers():
-            est = self.index.estimate(peer)
-            if peer in visited or est is None or est.model != model or not tenant.may_serve(peer):
-                continue
+            if part is not None:
+                # partitioned: no full index to vouch for a peer's model; a heartbeat-up
+                # peer passed the Noise handshake, and the serving node re-matches anyway
+                if peer in visited or not tenant.may_serve(peer):
+                    continue
+            else:
+                est = self.index.estimate(peer)
+                if (peer in visited or est is None or est.model != model
+                        or not tenant.may_serve(peer)):
+                    continue
             if self._is_not_serving(peer, req.ns):
                 continue
             all_peers.append(peer)
@@ -465,16 +492,20 @@ class InferService:
         health = self.heartbeat.health
 
         def candidate(peer: bytes, matched_blocks: int) -> Candidate:
-            est = self.index.estimate(peer)
+            if part is not None:  # freshest figures from a home's index or a lookup answer
+                known = part.pd.load_of(peer)
+                figures = known[0] if known is not None else LoadFigures(0, 0, 0.0, 0.0)
+            else:
+                figures = self.index.estimate(peer).load
             h = health.get(peer)
-            queue = h.queue_depth if h and h.pongs else est.load.queue_depth
-            active = h.active if h and h.pongs else est.load.active
+            queue = h.queue_depth if h and h.pongs else figures.queue_depth
+            active = h.active if h and h.pongs else figures.active
             rtt = h.rtt_s if h and h.rtt_s is not None else 0.005
             trust = self.trust.trust(peer, time.monotonic()) if self.trust is not None else 1.0
             return Candidate(
                 peer=peer,
                 matched_tokens=min(matched_blocks * BLOCK_TOKENS, len(req.tokens)),
-                prefill_tps=max(est.load.prefill_tps, 0.0),
+                prefill_tps=max(figures.prefill_tps, 0.0),
                 queue_wait_s=(queue + active) * avg_s,
                 load=float(queue + active),
                 rtt_s=rtt,
@@ -536,6 +567,49 @@ class InferService:
             decide_ms=(time.perf_counter() - t0) * 1000.0,
         )
         return decision, hop_base, ctx
+
+    async def _partition_matches(
+        self, req: wire.Request, chain: list[bytes], part: PartitionGossip, unmatched: int
+    ) -> dict[bytes, int]:
+        """Holder -> matched blocks under partial replication: our own partition index if
+        we are a home of the chain's partition, else a cached lookup answer, else (entry
+        node only, when a lookup can pay at all) a lookup to the first live home. Any
+        failure means no candidates: the request is decided as if no peer held it."""
+        if not chain:
+            return {}
+        pd = part.pd
+        p, homes = part.homes_of(req.ns, chain)
+        if self.me in homes:
+            self._count("partition_home_decisions")
+            index = pd.indexes.get(p)
+            return dict(index.longest_matches(req.ns, chain)) if index is not None else {}
+        answer = part.lookup_cache.get(req.ns, chain, self.clock())
+        if answer is None:
+            if req.trace:  # forwarded in: the entry node already looked (as the simulator)
+                return {}
+            live = [h for h in homes if self.heartbeat.is_up(h)]
+            if not live:
+                self._count("partition_no_live_home")
+                return {}
+            rtt = self.heartbeat.rtt_s(live[0])
+            load = self.backend.load_figures()
+            # what a hit elsewhere could save at most: prefilling what we do not hold
+            if not lookup_pays(unmatched, load.prefill_tps, rtt if rtt is not None else 0.005):
+                self._count("partition_lookups_skipped")
+                return {}
+            self._count("partition_lookups")
+            answer = await part.lookup(live[0], req.ns, chain, self.settings.lookup_timeout_s)
+            if answer is None:
+                self._count("partition_lookups_failed")
+                return {}
+        else:
+            self._count("partition_lookup_cache_hits")
+        return {h.peer: h.blocks for h in answer}
+
+    def _count(self, key: str) -> None:
+        """A counter that exists only once it is used (partitioned mode's counters must
+        not appear in a full-replication node's stats)."""
+        self.stats[key] = self.stats.get(key, 0) + 1
 
     async def _relay_only(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
         """A namespace this node is not configured for: pass it to a peer that holds it."""

@@ -439,11 +439,12 @@ class PartitionedDigest:
         return sum(ae.held_bytes() for ae in self.streams.values())
 
 
-def lookup_pays(prompt_tokens: int, prefill_tps: float, rtt_s: float) -> bool:
+def lookup_pays(unmatched_tokens: int, prefill_tps: float, rtt_s: float) -> bool:
     """Whether a lookup can pay at all: it and the forward it may lead to cost two round
-    trips, and the most a hit anywhere can save is prefilling the whole prompt. (A router
-    that is a home, or holds a cached answer, needs no lookup.)"""
-    return prefill_tps > 0 and 2.0 * rtt_s < prompt_tokens / prefill_tps
+    trips, and the most a hit elsewhere can save over serving here is prefilling the
+    tokens this node does not hold (prompt minus the local match). (A router that is a
+    home, or holds a cached answer, needs no lookup.)"""
+    return prefill_tps > 0 and 2.0 * rtt_s < unmatched_tokens / prefill_tps
 
 
 class LookupCache:

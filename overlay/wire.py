@@ -104,6 +104,7 @@ INFER_PROTOCOL = "/prefixmesh/infer/1.0.0"
 PING_PROTOCOL = "/prefixmesh/ping/1.0.0"
 PEERS_PROTOCOL = "/prefixmesh/peers/1.0.0"
 DIGEST_PROTOCOL = "/prefixmesh/digest/1.0.0"
+PARTITION_PROTOCOL = "/prefixmesh/digest-part/1.0.0"
 
 LENGTH_PREFIX_BYTES = 4
 MAX_FRAME_BYTES = 512 * 1024

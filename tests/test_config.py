@@ -465,3 +465,33 @@ def test_digest_scale_knobs_defaults_and_values(tmp_path):
     assert load_config(None).digest.compaction_ratio == 4.0
     cfg = load_config(write(tmp_path, "[digest]\nbucket_summaries = false\ncompaction_ratio = 1\n"))
     assert cfg.digest.bucket_summaries is False and cfg.digest.compaction_ratio == 1.0
+
+
+def test_digest_partition_keys_defaults_and_values(tmp_path):
+    d = load_config(None).digest
+    assert d.partitions == 0  # full replication unless asked for
+    assert (d.replicas, d.partition_refresh_s, d.partition_ttl_s) == (3, 300.0, 900.0)
+    for partitions, replicas in ((1, 1), (16, 2), (65536, 16)):
+        cfg = load_config(write(
+            tmp_path, f"[digest]\npartitions = {partitions}\nreplicas = {replicas}\n"
+                      "partition_refresh_s = 60\npartition_ttl_s = 180\n"))
+        assert (cfg.digest.partitions, cfg.digest.replicas) == (partitions, replicas)
+        assert (cfg.digest.partition_refresh_s, cfg.digest.partition_ttl_s) == (60.0, 180.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("partitions = -1", "[digest].partitions: -1 is out of range (0..65536)"),
+        ("partitions = 65537", "[digest].partitions: 65537 is out of range (0..65536)"),
+        ("partitions = 1.5", "[digest].partitions: must be an integer"),
+        ("replicas = 0", "[digest].replicas: 0 is out of range (1..16)"),
+        ("replicas = 17", "[digest].replicas: 17 is out of range (1..16)"),
+        ("replicas = true", "[digest].replicas: must be an integer"),
+        ("partition_refresh_s = 0", "[digest].partition_refresh_s: 0 is out of range"),
+        ("partition_ttl_s = 0.5", "[digest].partition_ttl_s: 0.5 is out of range"),
+        ("partition_ttl_s = 3601", "[digest].partition_ttl_s: 3601 is out of range"),
+    ],
+)
+def test_digest_partition_keys_bad_values_name_the_key(tmp_path, text, expected):
+    assert expected in err(tmp_path, "[digest]\n" + text + "\n")

@@ -1,0 +1,341 @@
+"""``/prefixmesh/digest-part/1.0.0``: partial replication of cache digests (the trio shell
+of :mod:`.partition`).
+
+Opt-in (``[digest].partitions > 0``); the node then runs this instead of :mod:`.gossip`.
+All decisions (partitions, homes, what to push, what a lookup answers) are
+:class:`~.partition.PartitionedDigest`'s; this module only moves its messages.
+
+Every ``interval_s`` the node
+
+1. lets the daemon feed its cache changes and load (``before_tick``) and issues its own
+   due records (``PartitionedDigest.tick``);
+2. sends every due push (``PartitionedDigest.pushes``) to its home, one stream per push:
+   one length-prefixed message out (:func:`~.partition.encode_push`), one back
+   (:func:`~.partition.encode_ack`, fed to ``receive_ack``), under ``exchange_timeout_s``.
+   Homes are pushed to concurrently, each home's pushes one after another; after a
+   failure the rest of that home's pushes wait for the pure code's resend timer (a dead
+   home costs one timeout per round, not one per push).
+
+Members (whom partitions' homes are drawn from) are the peers the heartbeat reports up,
+plus this node. A push to a node that is not a home in *its* view of the members is
+refused (``NotAHome``): the stream is closed unanswered and the origin resends later.
+
+Lookups (:meth:`PartitionGossip.lookup`): a router that is not a home of a request's
+partition sends a home the chain (:func:`~.partition.encode_lookup`) and gets the holders
+(:func:`~.partition.encode_lookup_answer`); answers are kept in :attr:`lookup_cache`
+(:class:`~.partition.LookupCache`) and their load figures folded into the digest state.
+
+Responder limits per remote peer, checked before a byte is read (as in :mod:`.gossip`):
+at most ``max_open_per_peer`` streams answered at once and ``request_rate_per_s`` /
+``request_burst`` streams opened (a :class:`~.trust.PeerRateLimiter`, one bucket for
+pushes and lookups). Why these defaults (64/s, burst 256, 8 open) never throttle an honest
+peer in practice: an origin sends at most one push per (partition, home) per round and
+one at a time per home, so a burst is bounded by the partitions it has new prefixes in;
+a router looks up at most once per entering request whose answer it has not cached.
+A refused origin resends after ``PartitionConfig.resend_after_s``; a refused lookup is a
+routing miss (served locally), never a wrong answer.
+
+Bad input (undecodable message, unknown type, wrong partition, a push to a non-home,
+records that fail verification) is counted in :attr:`stats` and the stream is closed;
+nothing a peer sends stops the loop or the responder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import trio
+
+from . import wire
+from .antientropy import peek_message_type
+from .digest import DigestError
+from .host import FramedStream, HostError, OverlayHost, remote_peer
+from .partition import (
+    MAX_PARTITION_MESSAGE_BYTES,
+    MSG_LOOKUP,
+    MSG_PUSH,
+    HolderMatch,
+    LookupCache,
+    NotAHome,
+    PartitionedDigest,
+    PartitionMessageError,
+    Push,
+    decode_ack,
+    decode_lookup,
+    decode_lookup_answer,
+    decode_push,
+    encode_ack,
+    encode_lookup,
+    encode_lookup_answer,
+    encode_push,
+)
+from .trust import PeerRateLimiter
+
+__all__ = ["PartitionGossip"]
+
+log = logging.getLogger(__name__)
+
+
+class PartitionGossip:
+    def __init__(
+        self,
+        host: OverlayHost,
+        pd: PartitionedDigest,
+        *,
+        peers: Callable[[], Sequence[bytes]],
+        on_learn: Callable[[bytes, Sequence[str]], None] | None = None,
+        before_tick: Callable[[float], None] | None = None,
+        interval_s: float = 1.0,
+        byte_budget: int = 64 * 1024,
+        exchange_timeout_s: float = 3.0,
+        clock: Callable[[], float] = time.time,
+        request_rate_per_s: float = 64.0,
+        request_burst: float = 256.0,
+        max_open_per_peer: int = 8,
+        limit_clock: Callable[[], float] = time.monotonic,
+    ):
+        self.host = host
+        self.pd = pd
+        self.peers = peers
+        self.on_learn = on_learn
+        self.before_tick = before_tick
+        self.interval_s = interval_s
+        self.byte_budget = byte_budget
+        self.exchange_timeout_s = exchange_timeout_s
+        self.clock = clock
+        if isinstance(max_open_per_peer, bool) or not isinstance(max_open_per_peer, int) \
+                or max_open_per_peer < 1:
+            raise ValueError(f"max_open_per_peer must be an int >= 1, got {max_open_per_peer!r}")
+        self.limiter = PeerRateLimiter(request_rate_per_s, request_burst)
+        self.max_open_per_peer = max_open_per_peer
+        self.limit_clock = limit_clock  # monotonic: a wall-clock step must not freeze buckets
+        self._answering: dict[bytes, int] = {}
+        self.lookup_cache = LookupCache(pd.config.lookup_ttl_s, pd.config.key_depth)
+        self.rounds = 0
+        self.stats: Counter[str] = Counter()
+        self.last_heard: dict[bytes, float] = {}  # origin -> wall time of its last applied record
+
+    # --- membership --------------------------------------------------------------------
+
+    def members(self) -> list[bytes]:
+        """The nodes partitions' homes are drawn from (``PartitionedDigest.homes`` adds us)."""
+        return [p for p in self.peers() if p != self.host.peer_id]
+
+    def homes_of(self, ns: bytes, chain: Sequence[bytes]) -> tuple[int, list[bytes]]:
+        p = self.pd.partition(ns, chain)
+        return p, self.pd.homes(p, self.members())
+
+    # --- running -----------------------------------------------------------------------
+
+    def register(self) -> None:
+        self.host.set_handler(wire.PARTITION_PROTOCOL, self.handle)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.register()
+        task_status.started()
+        while True:
+            try:
+                await self.round()
+            except Exception:  # never let one bad round stop the digest loop
+                self.stats["rounds_crashed"] += 1
+                log.exception("partition digest round failed")
+            await trio.sleep(self.interval_s)
+
+    def tick(self) -> None:
+        now = self.clock()
+        if self.before_tick is not None:
+            self.before_tick(now)
+        issued = self.pd.tick(now)
+        self.stats["records_issued"] += len(issued)
+
+    async def round(self) -> None:
+        self.tick()
+        pushes = self.pd.pushes(self.clock(), self.members(), self.byte_budget)
+        by_home: dict[bytes, list[Push]] = {}
+        for push in pushes:
+            by_home.setdefault(push.home, []).append(push)
+        async with trio.open_nursery() as nursery:
+            for home, items in by_home.items():
+                nursery.start_soon(self._push_to_home, home, items)
+        self.rounds += 1
+
+    async def _push_to_home(self, home: bytes, items: list[Push]) -> None:
+        for push in items:
+            if not await self._push_guarded(push):
+                self.stats["pushes_deferred"] += len(items) - items.index(push) - 1
+                return
+
+    async def _push_guarded(self, push: Push) -> bool:
+        try:
+            with trio.fail_after(self.exchange_timeout_s):
+                await self.push(push)
+            return True
+        except trio.TooSlowError:
+            self.stats["pushes_timed_out"] += 1
+        except (HostError, wire.WireError, DigestError) as exc:
+            self.stats["pushes_failed"] += 1
+            log.debug("partition push failed: %s", exc)
+        except Exception:  # a bug in one push must not stop the digest loop
+            self.stats["pushes_crashed"] += 1
+            log.exception("partition push crashed")
+        return False
+
+    # --- initiator side ----------------------------------------------------------------
+
+    async def push(self, push: Push) -> None:
+        """Send one push to its home and apply the acknowledgement."""
+        stream = await self.host.open_stream(
+            push.home, wire.PARTITION_PROTOCOL, self.exchange_timeout_s
+        )
+        fs = FramedStream(stream, timeout_s=self.exchange_timeout_s)
+        try:
+            await self._send(fs, encode_push(push.partition, push.records))
+            self.stats["pushes_sent"] += 1
+            data = await self._receive(fs)
+            try:
+                p, entries = decode_ack(data)
+            except PartitionMessageError:
+                self.stats["malformed"] += 1
+                raise
+            if p != push.partition:
+                self.stats["malformed"] += 1
+                raise PartitionMessageError(f"ack for partition {p}, pushed {push.partition}")
+            self.pd.receive_ack(push.home, p, entries)
+            self.stats["acks"] += 1
+        finally:
+            with trio.CancelScope(shield=True):
+                await fs.close()
+
+    async def lookup(
+        self, home: bytes, ns: bytes, chain: Sequence[bytes], timeout_s: float
+    ) -> list[HolderMatch] | None:
+        """Ask ``home`` who holds ``chain``; None on any failure (a routing miss). The
+        answer is cached (:attr:`lookup_cache`) and its load figures noted."""
+        if not chain:
+            return []
+        p = self.pd.partition(ns, chain)
+        self.stats["lookups_sent"] += 1
+        try:
+            with trio.fail_after(timeout_s):
+                stream = await self.host.open_stream(home, wire.PARTITION_PROTOCOL, timeout_s)
+                fs = FramedStream(stream, timeout_s=timeout_s)
+                try:
+                    await self._send(fs, encode_lookup(p, ns, chain))
+                    holders = decode_lookup_answer(await self._receive(fs))
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await fs.close()
+        except trio.TooSlowError:
+            self.stats["lookups_timed_out"] += 1
+            return None
+        except PartitionMessageError as exc:
+            self.stats["malformed"] += 1
+            self.stats["lookups_failed"] += 1
+            log.debug("partition lookup answer malformed: %s", exc)
+            return None
+        except (HostError, wire.WireError, DigestError) as exc:
+            self.stats["lookups_failed"] += 1
+            log.debug("partition lookup failed: %s", exc)
+            return None
+        self.stats["lookup_answers"] += 1
+        self.pd.note_answer(holders)
+        self.lookup_cache.put(ns, chain, holders, self.clock())
+        return holders
+
+    # --- responder side ----------------------------------------------------------------
+
+    async def handle(self, stream) -> None:
+        """Refuse a peer over its limits before reading a byte, else answer one message."""
+        try:
+            peer = remote_peer(stream)
+        except Exception:  # a stream object without a connection (tests): one bucket
+            peer = b""
+        if self._answering.get(peer, 0) >= self.max_open_per_peer:
+            self.stats["concurrency_limited"] += 1
+            await self._refuse(stream)
+            return
+        if not self.limiter.allow(peer, self.limit_clock()):
+            self.stats["rate_limited"] += 1
+            await self._refuse(stream)
+            return
+        self._answering[peer] = self._answering.get(peer, 0) + 1
+        try:
+            await self._answer(stream, peer)
+        finally:
+            left = self._answering[peer] - 1
+            if left:
+                self._answering[peer] = left
+            else:
+                del self._answering[peer]
+
+    @staticmethod
+    async def _refuse(stream) -> None:
+        """Reset the stream unread: the initiator sees a failure at once."""
+        with contextlib.suppress(Exception), trio.CancelScope(shield=True), \
+                trio.move_on_after(1):
+            await stream.reset()
+
+    async def _answer(self, stream, peer: bytes) -> None:
+        fs = FramedStream(stream, timeout_s=self.exchange_timeout_s)
+        try:
+            with trio.fail_after(self.exchange_timeout_s * 2):
+                data = await self._receive(fs)
+                kind = peek_message_type(data)
+                if kind == MSG_PUSH:
+                    await self._answer_push(fs, peer, data)
+                elif kind == MSG_LOOKUP:
+                    p, ns, chain = decode_lookup(data)
+                    if not 0 <= p < self.pd.config.n_partitions:
+                        raise PartitionMessageError(f"partition {p} out of range")
+                    holders = self.pd.lookup(p, ns, chain)
+                    await self._send(fs, encode_lookup_answer(holders))
+                    self.stats["lookups_answered"] += 1
+                else:
+                    raise PartitionMessageError(f"unexpected message type {kind!r}")
+        except NotAHome as exc:
+            self.stats["refused"] += 1
+            log.debug("partition push refused: %s", exc)
+        except PartitionMessageError as exc:
+            self.stats["malformed"] += 1
+            log.debug("partition message malformed: %s", exc)
+        except DigestError as exc:  # verified records that could not be applied
+            self.stats["digest_errors"] += 1
+            log.debug("partition push rejected: %s", exc)
+        except wire.OversizeFrame:
+            self.stats["oversize_messages"] += 1
+        except (HostError, wire.WireError, trio.TooSlowError) as exc:
+            self.stats["answers_failed"] += 1
+            log.debug("partition answer failed: %s", exc)
+        except Exception:
+            self.stats["answers_crashed"] += 1
+            log.exception("partition answer crashed")
+        finally:
+            with contextlib.suppress(Exception), trio.CancelScope(shield=True):
+                await fs.close()
+
+    async def _answer_push(self, fs: FramedStream, peer: bytes, data: bytes) -> None:
+        p, raws = decode_push(data)
+        now = self.clock()
+        entries, applied = self.pd.receive_push(peer, p, raws, now, self.members())
+        self.stats["pushes_received"] += 1
+        self.stats["records_applied"] += len(applied)
+        for record in applied:
+            self.last_heard[record.origin] = now
+            if self.on_learn is not None and record.addrs:
+                self.on_learn(record.origin, record.addrs)
+        await self._send(fs, encode_ack(p, entries))
+
+    # --- framing -----------------------------------------------------------------------
+
+    async def _send(self, fs: FramedStream, payload: bytes) -> None:
+        self.stats["bytes_out"] += len(payload) + wire.LENGTH_PREFIX_BYTES
+        await fs.send_raw(payload)
+
+    async def _receive(self, fs: FramedStream) -> bytes:
+        data = await fs.receive_raw(max_bytes=MAX_PARTITION_MESSAGE_BYTES)
+        self.stats["bytes_in"] += len(data) + wire.LENGTH_PREFIX_BYTES
+        return data

@@ -1,0 +1,264 @@
+"""Partial replication in the node (``[digest].partitions > 0``).
+
+Part 1: :class:`~prefixmesh.overlay.partgossip.PartitionGossip` between real libp2p hosts
+on 127.0.0.1 in one process (no heartbeat: each node's members are given): an origin's
+push reaches the home of its prefix's partition and is acknowledged; a third node's
+lookup at that home returns the origin as holder; a malformed message and a push to a
+node that is not a home are counted and the responder keeps answering.
+
+Part 2 (slow): four real node processes with the real model and ``partitions = 16,
+replicas = 2``: a prompt served at one node is routed there when it enters at a node that
+is not a home of its partition (the entry node looks the holder up at a home), and when it
+enters at a home (which reads its own partition index, no lookup).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from prefixmesh.overlay import wire
+from prefixmesh.overlay.antientropy import AntiEntropy
+from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
+from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.partgossip import PartitionGossip
+from prefixmesh.overlay.partition import (
+    PartitionConfig,
+    PartitionedDigest,
+    Push,
+    encode_push,
+)
+
+MODEL = b"model-fp-test-00"
+NS = b"N" * 8
+ADDRS = ["/ip4/127.0.0.1/tcp/4999"]
+CONFIG = PartitionConfig(n_partitions=16, replicas=1)
+
+
+def _pgossip(host: OverlayHost, identity: Identity, members: list[bytes], learned=None,
+             **kw) -> PartitionGossip:
+    def make_stream(fp: bytes, now: float) -> AntiEntropy:
+        return AntiEntropy(identity, fp, epoch=int(now * 1000), now=now, ttl=900.0,
+                           refresh_interval=300.0, addrs=ADDRS)
+
+    pd = PartitionedDigest(identity, MODEL, config=CONFIG, make_stream=make_stream)
+    on_learn = (lambda peer, addrs: learned.append((peer, list(addrs)))) if learned is not None \
+        else None
+    return PartitionGossip(host, pd, peers=lambda: members, on_learn=on_learn,
+                           exchange_timeout_s=10.0, **kw)
+
+
+def _chain_homed_at(pg: PartitionGossip, home: bytes, tag: int) -> list[bytes]:
+    """A 6-block chain whose partition's (only) home is ``home`` among pg's members."""
+    for k in range(1000):
+        chain = [bytes([tag, k % 256, k // 256, i]) * 2 for i in range(6)]
+        if pg.homes_of(NS, chain)[1] == [home]:
+            return chain
+    raise AssertionError("no chain found for that home")
+
+
+async def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    with trio.fail_after(timeout_s):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+def test_push_reaches_the_home_is_acknowledged_and_a_lookup_finds_the_holder():
+    a_id, h_id, r_id = Identity.generate(), Identity.generate(), Identity.generate()
+    everyone = [a_id.peer_id, h_id.peer_id, r_id.peer_id]
+    learned: list = []
+
+    async def main():
+        a, h, r = OverlayHost(a_id, []), OverlayHost(h_id), OverlayHost(r_id, [])
+        pg_a = _pgossip(a, a_id, everyone)
+        pg_h = _pgossip(h, h_id, everyone, learned)
+        pg_r = _pgossip(r, r_id, everyone)
+        pg_h.register()
+        async with a.run(), h.run(), r.run():
+            for peer_host in (a, r):
+                await peer_host.connect(h_id.peer_id, h.listen_addrs(), 10)
+            chain = _chain_homed_at(pg_a, h_id.peer_id, 1)
+            p = pg_a.pd.partition(NS, chain)
+            pg_a.pd.local_add_prefix(NS, chain, time.time())
+            await pg_a.round()
+
+            assert pg_a.stats["pushes_sent"] == 1 and pg_a.stats["acks"] == 1, pg_a.stats
+            assert pg_h.stats["pushes_received"] == 1, pg_h.stats
+            assert pg_h.stats["records_applied"] >= 1, pg_h.stats
+            index = pg_h.pd.indexes[p]
+            assert index.longest_matches(NS, chain) == {a_id.peer_id: len(chain)}
+            assert (a_id.peer_id, ADDRS) in learned  # discovery hears of the origin
+            await pg_a.round()  # acknowledged: nothing to resend
+            assert pg_a.stats["pushes_sent"] == 1, pg_a.stats
+
+            # r is not a home of p: it asks h
+            assert r_id.peer_id not in pg_r.homes_of(NS, chain)[1]
+            longer = [*chain, b"\x09" * 8]
+            holders = await pg_r.lookup(h_id.peer_id, NS, longer, timeout_s=5.0)
+            assert holders is not None
+            assert [(m.peer, m.blocks) for m in holders] == [(a_id.peer_id, len(chain))]
+            assert pg_h.stats["lookups_answered"] == 1
+            assert pg_r.stats["lookup_answers"] == 1
+            # the answer is cached for the partition key and its load figures noted
+            cached = pg_r.lookup_cache.get(NS, longer, time.time())
+            assert cached is not None and cached[0].peer == a_id.peer_id
+            assert pg_r.pd.load_of(a_id.peer_id) is not None
+            # a chain nobody holds: an empty answer, not an error
+            other = _chain_homed_at(pg_r, h_id.peer_id, 2)
+            assert await pg_r.lookup(h_id.peer_id, NS, other, timeout_s=5.0) == []
+
+    trio.run(main)
+
+
+def test_malformed_messages_and_pushes_to_a_non_home_are_counted_and_serving_goes_on():
+    a_id, h_id = Identity.generate(), Identity.generate()
+    everyone = [a_id.peer_id, h_id.peer_id]
+
+    async def main():
+        a, h = OverlayHost(a_id, []), OverlayHost(h_id)
+        pg_a = _pgossip(a, a_id, everyone)
+        pg_h = _pgossip(h, h_id, everyone)
+        pg_h.register()
+        async with a.run(), h.run():
+            await a.connect(h_id.peer_id, h.listen_addrs(), 10)
+
+            async def send_raw(payload: bytes) -> None:
+                stream = await a.open_stream(h_id.peer_id, wire.PARTITION_PROTOCOL, 10)
+                fs = FramedStream(stream, timeout_s=10)
+                await fs.send_raw(payload)
+                with pytest.raises(HostError):  # closed unanswered
+                    await fs.receive_raw()
+                await fs.close()
+
+            await send_raw(b"\xff\x00garbage")  # not CBOR of any known message
+            await _wait_for(lambda: pg_h.stats["malformed"] == 1)
+            await send_raw(encode_push(3, [b"not a signed record"])[:-3])  # truncated
+            await _wait_for(lambda: pg_h.stats["malformed"] == 2)
+
+            # a push for a partition whose home is a, sent to h anyway: refused
+            chain = _chain_homed_at(pg_a, a_id.peer_id, 3)
+            p = pg_a.pd.partition(NS, chain)
+            pg_a.pd.local_add_prefix(NS, chain, time.time())
+            pg_a.pd.tick(time.time())
+            records = [s.raw for s in pg_a.pd.streams[p].held_records(a_id.peer_id)]
+            assert await pg_a._push_guarded(Push(h_id.peer_id, p, records)) is False
+            assert pg_a.stats["pushes_failed"] == 1, pg_a.stats
+            await _wait_for(lambda: pg_h.stats["refused"] == 1)
+            assert p not in pg_h.pd.indexes  # nothing of it was kept
+
+            # h still serves: a proper push for one of its partitions is acknowledged
+            mine = _chain_homed_at(pg_a, h_id.peer_id, 4)
+            pg_a.pd.local_add_prefix(NS, mine, time.time())
+            await pg_a.round()
+            assert pg_a.stats["acks"] == 1, pg_a.stats
+            q = pg_a.pd.partition(NS, mine)
+            assert pg_h.pd.indexes[q].longest_matches(NS, mine) == {a_id.peer_id: len(mine)}
+            assert pg_h.stats["answers_crashed"] == 0
+
+    trio.run(main)
+
+
+def test_responder_limits_refuse_a_flooding_peer_before_reading():
+    a_id, h_id = Identity.generate(), Identity.generate()
+    everyone = [a_id.peer_id, h_id.peer_id]
+    clock = [1000.0]
+
+    async def main():
+        a, h = OverlayHost(a_id, []), OverlayHost(h_id)
+        pg_a = _pgossip(a, a_id, everyone)
+        pg_h = _pgossip(h, h_id, everyone, request_rate_per_s=1.0, request_burst=3.0,
+                        limit_clock=lambda: clock[0])
+        pg_h.register()
+        async with a.run(), h.run():
+            await a.connect(h_id.peer_id, h.listen_addrs(), 10)
+            chain = _chain_homed_at(pg_a, h_id.peer_id, 5)
+            answers = [await pg_a.lookup(h_id.peer_id, NS, chain, 5.0) for _ in range(5)]
+            assert answers[:3] == [[], [], []]
+            assert answers[3:] == [None, None]  # refused: a routing miss, not an error
+            assert pg_h.stats["rate_limited"] == 2 and pg_h.stats["lookups_answered"] == 3
+            clock[0] += 1.0  # one token back
+            assert await pg_a.lookup(h_id.peer_id, NS, chain, 5.0) == []
+
+    trio.run(main)
+
+
+# --- part 2: real node processes, real model -------------------------------------------
+
+LONG_SYSTEM = (
+    "You are the archivist of a harbour museum. Answer in one short sentence. The archive "
+    "holds ship logs, harbour maps, customs ledgers, lighthouse journals, tide tables, "
+    "photographs of cranes, letters from sailors and records of every ship built here. "
+) * 5
+
+
+@pytest.mark.slow
+def test_partitioned_swarm_routes_a_non_home_entry_to_the_holder(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _swarm import Swarm, ask, peers, wait_until
+
+    config = tmp_path / "partitioned.toml"
+    config.write_text("[digest]\npartitions = 16\nreplicas = 2\n")
+    extra = ["--config", str(config)]
+    prompt = [("system", LONG_SYSTEM), ("user", "Where are the tide tables kept?")]
+    with Swarm(tmp_path) as s:
+        # every node dials every earlier one: the same membership everywhere, hence the
+        # same homes (records no longer reach every node, so gossip cannot introduce them)
+        a = s.add("A", extra=extra)
+        b = s.add("B", bootstrap=[a.addr], extra=extra)
+        c = s.add("C", bootstrap=[a.addr, b.addr], extra=extra)
+        d = s.add("D", bootstrap=[a.addr, b.addr, c.addr], extra=extra)
+        nodes = [a, b, c, d]
+
+        def all_up() -> bool:
+            for n in nodes:
+                up = {p.peer for p in peers(n.addr).peers if p.up}
+                if up != {m.peer_id for m in nodes} - {n.peer_id}:
+                    return False
+            return True
+
+        wait_until(all_up, timeout_s=30, what="every node to see every other up")
+        first = ask(a.addr, prompt, max_tokens=4, hop_budget=0)
+        assert first.final.serving == a.peer_id
+
+        def a_pushes_acknowledged():
+            st = peers(a.addr).stats
+            sent, acks = st.get("part_pushes_sent", 0), st.get("part_acks", 0)
+            return acks >= 1 and acks == sent and st
+
+        wait_until(a_pushes_acknowledged, timeout_s=20, what="A's pushes to be acknowledged")
+        # the homes of the prompt's partition (other than A) are the nodes A pushed to
+        received = {n.name: peers(n.addr).stats.get("part_pushes_received", 0)
+                    for n in (b, c, d)}
+        homes = [n for n in (b, c, d) if received[n.name] > 0]
+        entries = [n for n in (b, c, d) if received[n.name] == 0]
+        assert 1 <= len(homes) <= 2 and entries, received
+        for n in nodes:  # full replication is off: no node's gossip index fills
+            assert all(p.n_hashes == 0 for p in peers(n.addr).peers)
+        entry = entries[0]
+        time.sleep(1.0)  # heartbeats report A idle again (load figures steer routing too)
+        second = ask(entry.addr, prompt, max_tokens=4)
+        fin = second.final
+        assert fin.serving == a.peer_id, ([h.reason for h in fin.hops], s.logs())
+        assert fin.entry == entry.peer_id
+        assert fin.cached_tokens > 0
+        assert [h.action for h in fin.hops] == ["forward", "serve"]
+        assert fin.hops[0].peer == entry.peer_id and fin.hops[0].next_peer == a.peer_id
+        st = peers(entry.addr).stats
+        assert st.get("infer_partition_lookups", 0) == 1, st
+        assert st.get("part_lookup_answers", 0) == 1, st
+        assert second.text
+
+        # a home of the partition reads its own partition index: no lookup, same route
+        home = homes[0]
+        time.sleep(1.0)
+        third = ask(home.addr, prompt, max_tokens=4)
+        fin = third.final
+        assert fin.serving == a.peer_id, [h.reason for h in fin.hops]
+        assert [h.action for h in fin.hops] == ["forward", "serve"] and fin.cached_tokens > 0
+        st = peers(home.addr).stats
+        assert st.get("infer_partition_home_decisions", 0) == 1, st
+        assert st.get("infer_partition_lookups", 0) == 0, st
