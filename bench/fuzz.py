@@ -871,7 +871,7 @@ def _partition_target() -> Target:
     crafted = [
         ("push-1MiB-of-empty-bytes",
          b"\x83\x14\x01\x9a" + (n - 8).to_bytes(4, "big") + b"\x40" * (n - 8)),
-        ("lookup-1MiB-chain", encode_lookup(1, b"n" * 8, [b"h" * 8] * 4096)),
+        ("lookup-of-4096-blocks", encode_lookup(1, b"n" * 8, [b"h" * 8] * 4096)),
     ]  # fmt: skip
     return Target(
         "partition",
