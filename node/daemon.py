@@ -280,9 +280,10 @@ class Node:
             epoch=int(now * 1000),
             now=now,
             ttl=cfg.digest.ttl_s,
-            refresh_interval=min(cfg.digest.refresh_interval_s, cfg.digest.ttl_s / 2),
+            refresh_interval=(refresh := min(cfg.digest.refresh_interval_s, cfg.digest.ttl_s / 2)),
             addrs=self.advertised_addrs(),
             compaction_ratio=cfg.digest.compaction_ratio,
+            min_record_interval=min(cfg.digest.min_record_interval_s, refresh / 2),
         )
         if opts.digest and cfg.digest.partitions > 0:
             self.pd = self._partitioned_digest(now)
@@ -378,9 +379,10 @@ class Node:
                 epoch=int(at * 1000),
                 now=at,
                 ttl=dc.partition_ttl_s,
-                refresh_interval=min(dc.partition_refresh_s, dc.partition_ttl_s / 2),
+                refresh_interval=(refresh := min(dc.partition_refresh_s, dc.partition_ttl_s / 2)),
                 addrs=addrs,
                 compaction_ratio=dc.compaction_ratio,
+                min_record_interval=min(dc.min_record_interval_s, refresh / 2),
             )
 
         return PartitionedDigest(

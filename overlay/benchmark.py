@@ -3,6 +3,8 @@
     python -m prefixmesh.overlay.benchmark hop          [--requests 200]
     python -m prefixmesh.overlay.benchmark digest-bytes [--nodes 8 --prefixes 1000 --seconds 30]
     python -m prefixmesh.overlay.benchmark convergence  [--nodes 8 --trials 20]
+    python -m prefixmesh.overlay.benchmark digest-load  [--nodes 16 --rate 0.5 --seconds 30
+                                                         --partitions 0,256]
 
 ``hop``: two node *processes* on 127.0.0.1 with the simulated backend (no model, so only
 overlay cost is measured). X holds a prefix; A is slow at prefill, so A forwards that
@@ -17,6 +19,13 @@ node, then counts digest-protocol bytes each node *sends* (application payload i
 length prefixes) over ``--seconds``; it also counts every byte written to TCP in the
 process (Noise, Yamux, stream negotiation included) during that window and during an
 equal window with digest exchanges stopped, and reports the difference per node.
+``digest-load``: the same in-process swarm (every node bootstrapped to every earlier one),
+once per ``--partitions`` value (0 = full replication), under load: every node caches
+``--rate`` new prompts per second (an MMLU-like shape: one of 57 shared 600-token
+"five-shot" prefixes, Zipf 1, plus a 60-token question) for ``--seconds``; digest bytes
+per node per second are the payload the digest protocol sends and the TCP bytes of the
+window minus those of an equal window after inserts stop and (full replication)
+exchanges are stopped. No requests are routed, so no lookups.
 ``convergence`` adds one new prefix at a random node per trial and measures the time from
 the digest tick that issues its record until every other node's index holds it, in
 digest intervals (rounds), rounded up.
@@ -130,14 +139,17 @@ async def _hop_main(a_addr: str, x_addr: str, requests: int) -> dict:
 # --- in-process swarms ------------------------------------------------------------------
 
 
-async def _swarm(nursery, n: int, tmp: Path, interval: float, fanout: int) -> list[Node]:
+async def _swarm(nursery, n: int, tmp: Path, interval: float, fanout: int,
+                 extra: dict | None = None, bootstrap_all: bool = False) -> list[Node]:
     nodes: list[Node] = []
     for i in range(n):
+        boot = nodes if bootstrap_all else nodes[:1]
         overrides = {
             "node.cache_dir": str(tmp / f"n{i}"), "node.mdns": False,
             "node.key_file": str(tmp / f"n{i}.key"),
-            "node.bootstrap": [nodes[0].full_addrs()[0]] if nodes else None,
+            "node.bootstrap": [nd.full_addrs()[0] for nd in boot] or None,
             "digest.interval_s": interval, "digest.fanout": fanout,
+            **(extra or {}),
         }
         node = Node(load_config(None, overrides),
                     NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i),
@@ -257,6 +269,74 @@ def bench_digest_bytes(n: int, prefixes: int, seconds: float, interval: float, f
     return trio.run(main)
 
 
+def bench_digest_load(n: int, rate: float, seconds: float, partitions: int,
+                      interval: float = 1.0, fanout: int = 3, seed: int = 1) -> dict:
+    _count_socket_bytes()
+
+    async def main():
+        with tempfile.TemporaryDirectory() as d:
+            async with trio.open_nursery() as nursery:
+                extra = {"digest.partitions": partitions} if partitions else {}
+                nodes = await _swarm(nursery, n, Path(d), interval, fanout, extra,
+                                     bootstrap_all=True)
+                t0 = time.monotonic()
+                while any(len(nd.heartbeat.up_peers()) < n - 1 for nd in nodes):
+                    if time.monotonic() - t0 > 60:
+                        raise RuntimeError("the swarm did not connect fully in 60 s")
+                    await trio.sleep(0.2)
+                rng = random.Random(seed)
+                subjects = [[rng.randrange(50_000) for _ in range(600)] for _ in range(57)]
+                weights = [1.0 / (k + 1) for k in range(57)]
+                digest = [nd.pgossip if partitions else nd.gossip for nd in nodes]
+
+                async def load(stop_at: float) -> int:
+                    inserted = 0
+                    while time.monotonic() < stop_at:
+                        for nd in nodes:
+                            if rng.random() < rate * 0.1:
+                                ns, _ = _ns(nd)
+                                prefix = rng.choices(subjects, weights)[0]
+                                nd.backend.insert_prefix(
+                                    ns, prefix + [rng.randrange(50_000) for _ in range(60)])
+                                inserted += 1
+                        await trio.sleep(0.1)
+                    return inserted
+
+                await load(time.monotonic() + 5 * interval)  # warm-up: streams, snapshots
+                before = [dict(g.stats) for g in digest]
+                wire0 = _WIRE_BYTES[0]
+                inserted = await load(time.monotonic() + seconds)
+                wire1 = _WIRE_BYTES[0]
+                after = [dict(g.stats) for g in digest]
+                # drain what the last inserts made due, then an equal window without
+                # digest traffic: heartbeats and libp2p housekeeping only
+                await trio.sleep(3 * interval)
+                if not partitions:
+                    for g in digest:
+                        g.fanout = 0
+                await trio.sleep(2 * interval)
+                wire2 = _WIRE_BYTES[0]
+                await trio.sleep(seconds)
+                wire3 = _WIRE_BYTES[0]
+                out_rates = [(a.get("bytes_out", 0) - b.get("bytes_out", 0)) / seconds
+                             for a, b in zip(after, before, strict=True)]
+                result = {
+                    "nodes": n, "partitions": partitions, "insert_rate_per_node": rate,
+                    "window_s": seconds, "inserted": inserted,
+                    "payload_bytes_per_node_per_s_mean": statistics.mean(out_rates),
+                    "payload_bytes_per_node_per_s_max": max(out_rates),
+                    "wire_bytes_per_node_per_s_all_traffic": (wire1 - wire0) / n / seconds,
+                    "wire_bytes_per_node_per_s_without_digests": (wire3 - wire2) / n / seconds,
+                    "wire_bytes_per_node_per_s_digest":
+                        ((wire1 - wire0) - (wire3 - wire2)) / n / seconds,
+                }
+                for nd in nodes:
+                    await nd.shutdown(grace_s=0.1)
+                return result
+
+    return trio.run(main)
+
+
 def bench_convergence(n: int, trials: int, interval: float, fanout: int) -> dict:
     async def main():
         with tempfile.TemporaryDirectory() as d:
@@ -319,15 +399,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="always exchange full summaries (for comparison)")
     b.add_argument("--no-pong-hash", action="store_true",
                    help="pick exchange peers at random, ignoring the hashes heartbeats report")
+    dl = sub.add_parser("digest-load")
+    dl.add_argument("--nodes", type=int, default=16)
+    dl.add_argument("--rate", type=float, default=0.5, help="new cached prompts/s per node")
+    dl.add_argument("--seconds", type=float, default=30.0)
+    dl.add_argument("--partitions", default="0,256",
+                    help="comma-separated [digest] partitions values, one swarm each")
     c = sub.add_parser("convergence")
     c.add_argument("--nodes", type=int, default=8)
     c.add_argument("--trials", type=int, default=20)
-    for sp in (b, c):
+    for sp in (b, c, dl):
         sp.add_argument("--interval", type=float, default=1.0)
         sp.add_argument("--fanout", type=int, default=3)
     a = p.parse_args(argv)
     if a.which == "hop":
         result = bench_hop(a.requests)
+    elif a.which == "digest-load":
+        result = [bench_digest_load(a.nodes, a.rate, a.seconds, int(p), a.interval, a.fanout)
+                  for p in a.partitions.split(",")]
     elif a.which == "digest-bytes":
         result = bench_digest_bytes(a.nodes, a.prefixes, a.seconds, a.interval, a.fanout,
                                     not a.no_summary_hash, not a.no_pong_hash)

@@ -477,6 +477,9 @@ def test_digest_partition_keys_defaults_and_values(tmp_path):
                       "partition_refresh_s = 60\npartition_ttl_s = 180\n"))
         assert (cfg.digest.partitions, cfg.digest.replicas) == (partitions, replicas)
         assert (cfg.digest.partition_refresh_s, cfg.digest.partition_ttl_s) == (60.0, 180.0)
+    assert d.min_record_interval_s == 0.0  # every tick with changes, as before
+    cfg = load_config(write(tmp_path, "[digest]\nmin_record_interval_s = 5\n"))
+    assert cfg.digest.min_record_interval_s == 5.0
 
 
 @pytest.mark.parametrize(
@@ -491,6 +494,8 @@ def test_digest_partition_keys_defaults_and_values(tmp_path):
         ("partition_refresh_s = 0", "[digest].partition_refresh_s: 0 is out of range"),
         ("partition_ttl_s = 0.5", "[digest].partition_ttl_s: 0.5 is out of range"),
         ("partition_ttl_s = 3601", "[digest].partition_ttl_s: 3601 is out of range"),
+        ("min_record_interval_s = -1", "[digest].min_record_interval_s: -1 is out of range"),
+        ("min_record_interval_s = 4000", "[digest].min_record_interval_s: 4000 is out of range"),
     ],
 )
 def test_digest_partition_keys_bad_values_name_the_key(tmp_path, text, expected):

@@ -262,3 +262,39 @@ def test_partitioned_swarm_routes_a_non_home_entry_to_the_holder(tmp_path):
         st = peers(home.addr).stats
         assert st.get("infer_partition_home_decisions", 0) == 1, st
         assert st.get("infer_partition_lookups", 0) == 0, st
+
+
+def test_daemon_passes_the_batching_knob_to_full_and_partition_streams(tmp_path):
+    """[digest] min_record_interval_s reaches the node's AntiEntropy and every partition
+    stream it creates (capped at half the refresh interval)."""
+    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
+    from prefixmesh.node.config import load_config  # noqa: PLC0415
+    from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
+    from prefixmesh.overlay.identity import Identity  # noqa: PLC0415
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes = []
+            for i, extra in enumerate(({}, {"digest.partitions": 16})):
+                overrides = {
+                    "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
+                    "node.key_file": str(tmp_path / f"n{i}.key"), "digest.interval_s": 0.3,
+                    "digest.min_record_interval_s": 5.0, **extra,
+                }
+                node = Node(load_config(None, overrides),
+                            NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i),
+                            identity=Identity.generate(), backend=SimulatedBackend())
+                await nursery.start(node.run)
+                nodes.append(node)
+            full, part = nodes
+            assert full.ae.min_record_interval == 5.0 and full.pd is None
+            ns = next(iter(part.tenants)).ns_id
+            part.backend.insert_prefix(ns, list(range(100)))
+            with trio.fail_after(10):
+                while not part.pd.streams:
+                    await trio.sleep(0.05)
+            assert all(ae.min_record_interval == 5.0 for ae in part.pd.streams.values())
+            for node in nodes:
+                await node.shutdown(grace_s=0.1)
+
+    trio.run(main)
