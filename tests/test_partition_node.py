@@ -298,3 +298,37 @@ def test_daemon_passes_the_batching_knob_to_full_and_partition_streams(tmp_path)
                 await node.shutdown(grace_s=0.1)
 
     trio.run(main)
+
+
+def test_push_streams_are_reused_and_reopened_after_the_home_closes_them():
+    """Pushes to one home travel on one stream (stream set-up cost more bytes than the
+    records); when the home closes an idle stream, the next push opens a fresh one and
+    nothing is lost."""
+    a_id, h_id = Identity.generate(), Identity.generate()
+    everyone = [a_id.peer_id, h_id.peer_id]
+
+    async def main():
+        a, h = OverlayHost(a_id, []), OverlayHost(h_id)
+        pg_a = _pgossip(a, a_id, everyone, stream_idle_s=60.0)
+        pg_h = _pgossip(h, h_id, everyone, stream_idle_s=0.25)  # the home closes fast
+        pg_h.register()
+        async with a.run(), h.run():
+            await a.connect(h_id.peer_id, h.listen_addrs(), 10)
+            chains = [_chain_homed_at(pg_a, h_id.peer_id, 10 + i) for i in range(3)]
+            for chain in chains[:2]:
+                pg_a.pd.local_add_prefix(NS, chain, time.time())
+                await pg_a.round()
+            assert pg_a.stats["acks"] == 2, pg_a.stats
+            assert pg_a.stats["push_streams_opened"] == 1, pg_a.stats
+            assert pg_a.stats["push_streams_reused"] == 1, pg_a.stats
+            await trio.sleep(1.0)  # the home gives up on the silent stream (2 x 0.25 s)
+            pg_a.pd.local_add_prefix(NS, chains[2], time.time())
+            await pg_a.round()
+            assert pg_a.stats["acks"] == 3, pg_a.stats
+            assert pg_a.stats["push_streams_opened"] == 2, pg_a.stats
+            for chain in chains:
+                p = pg_a.pd.partition(NS, chain)
+                assert pg_h.pd.indexes[p].longest_matches(NS, chain) == {a_id.peer_id: 6}
+            assert pg_h.stats["answers_crashed"] == 0 and pg_h.stats["malformed"] == 0
+
+    trio.run(main)
