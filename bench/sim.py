@@ -545,7 +545,8 @@ class Simulator:
                     return  # a lookup is on its way; _arrive runs again with the answer
                 candidates = self._candidates_from(node, matches, sr.visited)
             elif policy_name in _USES_INDEX:
-                candidates = self._index_candidates(node, chain, sr.visited)
+                matches = node.index.longest_matches(self.ns, chain) if chain else {}
+                candidates = self._candidates_from(node, matches, sr.visited)
             elif policy_name == "oracle":
                 candidates = self._oracle_candidates(node, chain)
         _, decision = node.memory.decide(
@@ -652,30 +653,8 @@ class Simulator:
     def _candidates_from(
         self, node: _Node, matches: dict, visited: frozenset[bytes]
     ) -> list[Candidate]:
-        cands: list[Candidate] = []
-        seen = set()
-        for peer, blocks in matches.items():
-            if peer in visited or peer == node.pid or peer not in self.by_pid:
-                continue
-            c = self._estimate_candidate(node, peer, blocks * 16)
-            if c is not None:
-                cands.append(c)
-                seen.add(peer)
-        k = self.cfg.shed_candidates
-        if k and node.known and self.cfg.policy == "prefixmesh":
-            for peer in self.rng_route.sample(node.known, min(k, len(node.known))):
-                if peer in seen or peer in visited or peer == node.pid:
-                    continue
-                c = self._estimate_candidate(node, peer, 0)
-                if c is not None:
-                    cands.append(c)
-                    seen.add(peer)
-        return cands
-
-    def _index_candidates(
-        self, node: _Node, chain: list[bytes], visited: frozenset[bytes]
-    ) -> list[Candidate]:
-        matches = node.index.longest_matches(self.ns, chain) if chain else {}
+        """Candidates for the holders in ``matches`` (peer -> blocks), plus up to
+        ``shed_candidates`` random known peers (matched 0) to shed load to."""
         cands: list[Candidate] = []
         seen = set()
         for peer, blocks in matches.items():

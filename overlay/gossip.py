@@ -101,7 +101,7 @@ from .antientropy import (
     summary_hash,
 )
 from .digest import DigestError
-from .host import FramedStream, HostError, OverlayHost, remote_peer
+from .host import FramedStream, HostError, OverlayHost, ResponderGate
 from .peerindex import PeerCacheIndex
 from .trust import PeerRateLimiter
 
@@ -184,7 +184,9 @@ class Gossip:
         self.exchange_limiter = PeerRateLimiter(exchange_rate_per_s, exchange_burst)
         self.max_exchanges_per_peer = max_exchanges_per_peer
         self.limit_clock = limit_clock  # monotonic: a wall-clock step must not freeze buckets
-        self._answering: dict[bytes, int] = {}  # peer -> responder exchanges open now
+        self._gate = ResponderGate(self.exchange_limiter, max_exchanges_per_peer, limit_clock,
+                                   self.stats, concurrency_key="exchanges_concurrency_limited",
+                                   rate_key="exchanges_rate_limited")
 
     # --- running ---------------------------------------------------------------------
 
@@ -290,34 +292,7 @@ class Gossip:
 
     async def handle(self, stream) -> None:
         """Responder side: refuse a peer over its limits before reading a byte, else answer."""
-        try:
-            peer = remote_peer(stream)
-        except Exception:  # a stream object without a connection (tests): one bucket
-            peer = b""
-        if self._answering.get(peer, 0) >= self.max_exchanges_per_peer:
-            self.stats["exchanges_concurrency_limited"] += 1
-            await self._refuse(stream)
-            return
-        if not self.exchange_limiter.allow(peer, self.limit_clock()):
-            self.stats["exchanges_rate_limited"] += 1
-            await self._refuse(stream)
-            return
-        self._answering[peer] = self._answering.get(peer, 0) + 1
-        try:
-            await self._answer(stream, peer)
-        finally:
-            left = self._answering[peer] - 1
-            if left:
-                self._answering[peer] = left
-            else:
-                del self._answering[peer]
-
-    @staticmethod
-    async def _refuse(stream) -> None:
-        """Reset the stream unread: the initiator sees a failed exchange at once."""
-        with contextlib.suppress(Exception), trio.CancelScope(shield=True), \
-                trio.move_on_after(1):
-            await stream.reset()
+        await self._gate.serve(stream, self._answer)
 
     async def _answer(self, stream, peer: bytes) -> None:
         fs = FramedStream(stream, timeout_s=self.exchange_timeout_s)

@@ -63,6 +63,7 @@ __all__ = [
     "split_p2p_addr",
     "concrete_ipv4_addrs",
     "remote_peer",
+    "ResponderGate",
 ]
 
 log = logging.getLogger(__name__)
@@ -498,3 +499,55 @@ class FramedStream:
     async def reset(self) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(1):
             await self.stream.reset()
+
+
+class ResponderGate:
+    """Per-peer admission for a protocol's responder, checked before a byte is read: at
+    most ``max_open`` streams of one remote peer answered at once, and a token bucket
+    (``limiter.allow(peer, now)``, e.g. :class:`~.trust.PeerRateLimiter`) on the streams it
+    opens. A refused stream is reset unread (the initiator sees a failure at once) and
+    counted in ``stats[concurrency_key]`` / ``stats[rate_key]``. Shared by the digest
+    protocols (``overlay/gossip.py``, ``overlay/partgossip.py``)."""
+
+    def __init__(self, limiter, max_open: int, clock: Callable[[], float], stats,
+                 *, concurrency_key: str, rate_key: str) -> None:
+        if isinstance(max_open, bool) or not isinstance(max_open, int) or max_open < 1:
+            raise ValueError(f"max_open must be an int >= 1, got {max_open!r}")
+        self.limiter = limiter
+        self.max_open = max_open
+        self.clock = clock  # monotonic: a wall-clock step must not freeze buckets
+        self.stats = stats
+        self.concurrency_key = concurrency_key
+        self.rate_key = rate_key
+        self.open: dict[bytes, int] = {}  # peer -> streams being answered now
+
+    async def serve(self, stream, answer: Callable[[object, bytes], Awaitable[None]]) -> None:
+        """Run ``answer(stream, peer)`` if the peer is within its limits, else refuse."""
+        try:
+            peer = remote_peer(stream)
+        except Exception:  # a stream object without a connection (tests): one bucket
+            peer = b""
+        if self.open.get(peer, 0) >= self.max_open:
+            self.stats[self.concurrency_key] += 1
+            await self.refuse(stream)
+            return
+        if not self.limiter.allow(peer, self.clock()):
+            self.stats[self.rate_key] += 1
+            await self.refuse(stream)
+            return
+        self.open[peer] = self.open.get(peer, 0) + 1
+        try:
+            await answer(stream, peer)
+        finally:
+            left = self.open[peer] - 1
+            if left:
+                self.open[peer] = left
+            else:
+                del self.open[peer]
+
+    @staticmethod
+    async def refuse(stream) -> None:
+        """Reset the stream unread."""
+        with contextlib.suppress(Exception), trio.CancelScope(shield=True), \
+                trio.move_on_after(1):
+            await stream.reset()

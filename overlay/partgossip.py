@@ -63,7 +63,14 @@ import trio
 from . import wire
 from .antientropy import peek_message_type
 from .digest import DigestError
-from .host import FramedStream, HostError, OverlayHost, PeerTimeout, StreamClosedError, remote_peer
+from .host import (
+    FramedStream,
+    HostError,
+    OverlayHost,
+    PeerTimeout,
+    ResponderGate,
+    StreamClosedError,
+)
 from .partition import (
     MAX_PARTITION_MESSAGE_BYTES,
     MSG_LOOKUP,
@@ -118,19 +125,17 @@ class PartitionGossip:
         self.byte_budget = byte_budget
         self.exchange_timeout_s = exchange_timeout_s
         self.clock = clock
-        if isinstance(max_open_per_peer, bool) or not isinstance(max_open_per_peer, int) \
-                or max_open_per_peer < 1:
-            raise ValueError(f"max_open_per_peer must be an int >= 1, got {max_open_per_peer!r}")
+        self.stats: Counter[str] = Counter()
         self.limiter = PeerRateLimiter(request_rate_per_s, request_burst)
-        self.max_open_per_peer = max_open_per_peer
         self.limit_clock = limit_clock  # monotonic: a wall-clock step must not freeze buckets
-        self._answering: dict[bytes, int] = {}
+        self._gate = ResponderGate(self.limiter, max_open_per_peer, limit_clock, self.stats,
+                                   concurrency_key="concurrency_limited",
+                                   rate_key="rate_limited")
         self.stream_idle_s = stream_idle_s
         # open push streams: home -> (stream, monotonic time of last use)
         self._push_streams: dict[bytes, tuple[FramedStream, float]] = {}
         self.lookup_cache = LookupCache(pd.config.lookup_ttl_s, pd.config.key_depth)
         self.rounds = 0
-        self.stats: Counter[str] = Counter()
         self.last_heard: dict[bytes, float] = {}  # origin -> wall time of its last applied record
 
     # --- membership --------------------------------------------------------------------
@@ -297,35 +302,8 @@ class PartitionGossip:
     # --- responder side ----------------------------------------------------------------
 
     async def handle(self, stream) -> None:
-        """Refuse a peer over its limits before reading a byte, else answer one message."""
-        try:
-            peer = remote_peer(stream)
-        except Exception:  # a stream object without a connection (tests): one bucket
-            peer = b""
-        if self._answering.get(peer, 0) >= self.max_open_per_peer:
-            self.stats["concurrency_limited"] += 1
-            await self._refuse(stream)
-            return
-        if not self.limiter.allow(peer, self.limit_clock()):
-            self.stats["rate_limited"] += 1
-            await self._refuse(stream)
-            return
-        self._answering[peer] = self._answering.get(peer, 0) + 1
-        try:
-            await self._answer(stream, peer)
-        finally:
-            left = self._answering[peer] - 1
-            if left:
-                self._answering[peer] = left
-            else:
-                del self._answering[peer]
-
-    @staticmethod
-    async def _refuse(stream) -> None:
-        """Reset the stream unread: the initiator sees a failure at once."""
-        with contextlib.suppress(Exception), trio.CancelScope(shield=True), \
-                trio.move_on_after(1):
-            await stream.reset()
+        """Refuse a peer over its limits before reading a byte, else answer its messages."""
+        await self._gate.serve(stream, self._answer)
 
     async def _answer(self, stream, peer: bytes) -> None:
         """Answer messages one after another until the initiator closes the stream or it

@@ -110,7 +110,7 @@ def test_flooding_peer_is_refused_after_its_burst_and_honest_peer_is_unaffected(
                 "exchanges_concurrency_limited"]
             # the honest peer has its own bucket: never touched
             assert g_r.exchange_limiter.tokens(h_id.peer_id, clock[0]) == pytest.approx(6.0)
-            await _wait_for(lambda: not g_r._answering)
+            await _wait_for(lambda: not g_r._gate.open)
 
     trio.run(main)
 
@@ -135,7 +135,7 @@ def test_a_peer_cannot_hold_more_than_max_exchanges_open():
                 fs = FramedStream(stream, timeout_s=10)
                 await fs.write_bytes(b"\0\0")  # half a length prefix: R waits for the rest
                 held.append(fs)
-            await _wait_for(lambda: g_r._answering.get(x_id.peer_id) == 2)
+            await _wait_for(lambda: g_r._gate.open.get(x_id.peer_id) == 2)
             # a third is reset unread (the dialer sees it while opening or on its first read)
             with trio.fail_after(5), pytest.raises(HostError):
                 stream = await x.open_stream(r_id.peer_id, wire.DIGEST_PROTOCOL, 10)
@@ -149,7 +149,7 @@ def test_a_peer_cannot_hold_more_than_max_exchanges_open():
             # once x lets go of its streams, its slots free up and it exchanges normally
             for fs in held:
                 await fs.reset()
-            await _wait_for(lambda: x_id.peer_id not in g_r._answering)
+            await _wait_for(lambda: x_id.peer_id not in g_r._gate.open)
             await g_x._exchange_guarded(r_id.peer_id)
             assert g_x.stats["exchanges_ok"] == 1, g_x.stats
             assert g_r.stats["exchanges_concurrency_limited"] == 1
@@ -228,7 +228,7 @@ def test_streams_without_a_connection_share_one_bucket():
         await g.handle(second)  # same (empty) peer id: over the burst, reset unread
         assert (first.resets, second.resets) == (0, 1)
         assert g.stats["exchanges_failed"] == 1 and g.stats["exchanges_rate_limited"] == 1
-        assert not g._answering
+        assert not g._gate.open
 
     trio.run(main)
 
