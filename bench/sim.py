@@ -1056,11 +1056,18 @@ def measure_convergence(
         t_all = max(t_known.values()) if not pending and t_known else float("inf")
         span = max(1e-9, sim.now - t0)
         bytes1 = sum(n.bytes_sent for n in sim.nodes)
+    return _convergence_result(nodes, fanout, interval_s, warm_ok, pending, t_known, t_all,
+                               (bytes1 - bytes0) / nodes / span, wall0)
+
+
+def _convergence_result(nodes, fanout, interval_s, warm_ok, pending, t_known, t_all,
+                        bytes_per_node_s, wall0, **extra) -> dict:
     bound = 2 * math.log(nodes + 1) / fanout + 2
     return {
         "nodes": nodes,
         "fanout": fanout,
         "interval_s": interval_s,
+        **extra,
         "warmup_complete": warm_ok,
         "converged": not pending,
         "convergence_s": t_all,
@@ -1068,7 +1075,7 @@ def measure_convergence(
         "bound_intervals": bound,
         "within_bound": t_all / interval_s <= bound,
         "median_known_s": percentile(sorted(t_known.values()), 50) if t_known else float("inf"),
-        "digest_bytes_per_node_s": (bytes1 - bytes0) / nodes / span,
+        "digest_bytes_per_node_s": bytes_per_node_s,
         "wall_s": time.perf_counter() - wall0,
     }
 
@@ -1115,23 +1122,9 @@ def _partition_convergence(
         t_all = max(t_known.values()) if not pending and t_known else float("inf")
         span = max(1e-9, sim.now - t0)
         bytes1 = sum(n.bytes_sent for n in sim.nodes)
-    bound = 2 * math.log(nodes + 1) / fanout + 2
-    return {
-        "nodes": nodes,
-        "fanout": fanout,
-        "interval_s": interval_s,
-        "partitions": sim.cfg.partitions,
-        "replicas": sim.cfg.replicas,
-        "warmup_complete": True,
-        "converged": not pending,
-        "convergence_s": t_all,
-        "convergence_intervals": t_all / interval_s,
-        "bound_intervals": bound,
-        "within_bound": t_all / interval_s <= bound,
-        "median_known_s": percentile(sorted(t_known.values()), 50) if t_known else float("inf"),
-        "digest_bytes_per_node_s": (bytes1 - bytes0) / nodes / span,
-        "wall_s": time.perf_counter() - wall0,
-    }
+    return _convergence_result(nodes, fanout, interval_s, True, pending, t_known, t_all,
+                               (bytes1 - bytes0) / nodes / span, wall0,
+                               partitions=sim.cfg.partitions, replicas=sim.cfg.replicas)
 
 
 def measure_idle_digest(
