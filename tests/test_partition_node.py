@@ -332,3 +332,79 @@ def test_push_streams_are_reused_and_reopened_after_the_home_closes_them():
             assert pg_h.stats["answers_crashed"] == 0 and pg_h.stats["malformed"] == 0
 
     trio.run(main)
+
+
+SYSTEM = "a long shared system prompt about routing requests to cached prefixes. " * 10
+
+
+def test_partitioned_swarm_rehomes_a_partition_when_a_home_leaves(tmp_path):
+    """In-process nodes (real libp2p, simulated engine): a holder's partition records
+    reach its homes; a non-home entry node finds the holder by a lookup; when a home shuts
+    down, the heartbeat's membership changes, the partition gets a new home, the holder
+    pushes its stream there unasked, and routing through a lookup still finds it."""
+    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
+    from prefixmesh.node.client import Client  # noqa: PLC0415
+    from prefixmesh.node.config import load_config  # noqa: PLC0415
+    from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes: list = []
+            for i in range(5):
+                overrides = {
+                    "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
+                    "node.key_file": str(tmp_path / f"n{i}.key"),
+                    "node.bootstrap": [nd.full_addrs()[0] for nd in nodes] or None,
+                    "digest.interval_s": 0.3, "digest.partitions": 16, "digest.replicas": 2,
+                }
+                node = Node(load_config(None, overrides),
+                            NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
+                                        heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                            identity=Identity.generate(),
+                            backend=SimulatedBackend(prefill_tps=400.0))
+                await nursery.start(node.run)
+                nodes.append(node)
+            await _wait_for(lambda: all(len(nd.heartbeat.up_peers()) == 4 for nd in nodes), 20)
+            holder = nodes[0]
+            hid = holder.identity.peer_id
+            async with Client.connect(holder.full_addrs()[0]) as c:
+                await c.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
+            await _wait_for(lambda: len(holder.pd.streams) == 1)
+            (p,) = holder.pd.streams
+
+            def homes() -> list[bytes]:
+                return holder.pd.homes(p, holder.pgossip.members())
+
+            def indexed_at(peer: bytes) -> bool:
+                node = next(nd for nd in nodes if nd.identity.peer_id == peer)
+                index = node.pd.indexes.get(p)
+                return index is not None and hid in index.peers()
+
+            await _wait_for(lambda: all(indexed_at(h) for h in homes() if h != hid))
+            old_homes = homes()
+            victim = next(nd for nd in nodes if nd.identity.peer_id in old_homes
+                          and nd is not holder)
+            routers = [nd for nd in nodes if nd.identity.peer_id not in old_homes
+                       and nd is not holder]
+            router = routers[0]
+            async with Client.connect(router.full_addrs()[0]) as c:
+                ans = await c.ask([("system", SYSTEM), ("user", "y")], max_tokens=1)
+            assert ans.final.serving == hid and ans.final.cached_tokens > 0, ans.final
+            assert router.infer.stats.get("partition_lookups") == 1, router.infer.stats
+
+            await victim.shutdown(grace_s=0.1)
+            vid = victim.identity.peer_id
+            alive = [nd for nd in nodes if nd is not victim]
+            await _wait_for(lambda: all(not nd.heartbeat.is_up(vid) for nd in alive), 20)
+            new_homes = homes()
+            assert vid not in new_homes and set(new_homes) != set(old_homes)
+            await _wait_for(lambda: all(indexed_at(h) for h in new_homes if h != hid), 20)
+            entry = next(nd for nd in alive if nd.identity.peer_id not in new_homes
+                         and nd is not holder)
+            async with Client.connect(entry.full_addrs()[0]) as c:
+                ans = await c.ask([("system", SYSTEM), ("user", "z")], max_tokens=1)
+            assert ans.final.serving == hid and ans.final.cached_tokens > 0, ans.final
+            for nd in alive:
+                await nd.shutdown(grace_s=0.1)
+
+    trio.run(main)
