@@ -597,10 +597,15 @@ class InferService:
             if not lookup_pays(unmatched, load.prefill_tps, rtt if rtt is not None else 0.005):
                 self._count("partition_lookups_skipped")
                 return {}
-            self._count("partition_lookups")
-            answer = await part.lookup(live[0], req.ns, chain, self.settings.lookup_timeout_s)
-            if answer is None:
+            # the first live home, then (if it fails or times out) the second: a home that
+            # is up by the heartbeat can still be wedged or just restarted without records
+            for home in live[:2]:
+                self._count("partition_lookups")
+                answer = await part.lookup(home, req.ns, chain, self.settings.lookup_timeout_s)
+                if answer is not None:
+                    break
                 self._count("partition_lookups_failed")
+            else:
                 return {}
         else:
             self._count("partition_lookup_cache_hits")

@@ -408,3 +408,74 @@ def test_partitioned_swarm_rehomes_a_partition_when_a_home_leaves(tmp_path):
                 await nd.shutdown(grace_s=0.1)
 
     trio.run(main)
+
+
+def test_a_lookup_that_fails_at_the_first_home_is_asked_again_at_the_second(tmp_path):
+    """The first home of the request's partition is up (heartbeats answered) but its
+    partition protocol hangs: the entry node's lookup times out there, asks the second
+    home, and still routes to the holder."""
+    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
+    from prefixmesh.node.client import Client  # noqa: PLC0415
+    from prefixmesh.node.config import load_config  # noqa: PLC0415
+    from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes: list = []
+            for i in range(5):
+                overrides = {
+                    "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
+                    "node.key_file": str(tmp_path / f"n{i}.key"),
+                    "node.bootstrap": [nd.full_addrs()[0] for nd in nodes] or None,
+                    "digest.interval_s": 0.3, "digest.partitions": 16, "digest.replicas": 2,
+                }
+                node = Node(load_config(None, overrides),
+                            NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
+                                        heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                            identity=Identity.generate(),
+                            backend=SimulatedBackend(prefill_tps=400.0))
+                await nursery.start(node.run)
+                nodes.append(node)
+            await _wait_for(lambda: all(len(nd.heartbeat.up_peers()) == 4 for nd in nodes), 20)
+            by_id = {nd.identity.peer_id: nd for nd in nodes}
+            # a holder that is not a home of its own partition, so both homes are others
+            # (nodes tried before it hold the prompt too: they are homes, not entries)
+            cached_at: list[bytes] = []
+            for holder in nodes:
+                cached_at.append(holder.identity.peer_id)
+                async with Client.connect(holder.full_addrs()[0]) as c:
+                    await c.ask([("system", SYSTEM), ("user", "x")], max_tokens=1,
+                                hop_budget=0)
+                await _wait_for(lambda h=holder: len(h.pd.streams) == 1)
+                (p,) = holder.pd.streams
+                homes = holder.pd.homes(p, holder.pgossip.members())
+                if holder.identity.peer_id not in homes:
+                    break
+            else:
+                raise AssertionError("every node is a home of the prompt's partition")
+            hid = holder.identity.peer_id
+
+            def indexed_at(node) -> bool:
+                index = node.pd.indexes.get(p)
+                return index is not None and hid in index.peers()
+
+            await _wait_for(lambda: all(indexed_at(by_id[h]) for h in homes))
+            entry = next(nd for nd in nodes if nd.identity.peer_id not in homes
+                         and nd.identity.peer_id not in cached_at)
+            first = entry.pd.homes(p, entry.pgossip.members())[0]
+            assert first == homes[0]
+
+            async def hang(stream) -> None:  # up, but never answers a partition message
+                await trio.sleep_forever()
+
+            by_id[first].host.set_handler(wire.PARTITION_PROTOCOL, hang)
+            async with Client.connect(entry.full_addrs()[0]) as c:
+                ans = await c.ask([("system", SYSTEM), ("user", "y")], max_tokens=1)
+            assert ans.final.serving in cached_at and ans.final.cached_tokens > 0, ans.final
+            assert ans.final.hops[0].action == "forward", ans.final.hops
+            assert entry.infer.stats.get("partition_lookups") == 2, entry.infer.stats
+            assert entry.infer.stats.get("partition_lookups_failed") == 1, entry.infer.stats
+            for nd in nodes:
+                await nd.shutdown(grace_s=0.1)
+
+    trio.run(main)
