@@ -271,13 +271,13 @@ def bench_digest_bytes(n: int, prefixes: int, seconds: float, interval: float, f
 
 def bench_digest_load(n: int, rate: float, seconds: float, partitions: int,
                       interval: float = 1.0, fanout: int = 3, seed: int = 1,
-                      min_record_interval: float = 0.0) -> dict:
+                      min_record_interval: float = 0.0, replicas: int = 3) -> dict:
     _count_socket_bytes()
 
     async def main():
         with tempfile.TemporaryDirectory() as d:
             async with trio.open_nursery() as nursery:
-                extra = {"digest.partitions": partitions,
+                extra = {"digest.partitions": partitions, "digest.replicas": replicas,
                          "digest.min_record_interval_s": min_record_interval}
                 nodes = await _swarm(nursery, n, Path(d), interval, fanout, extra,
                                      bootstrap_all=True)
@@ -324,7 +324,7 @@ def bench_digest_load(n: int, rate: float, seconds: float, partitions: int,
                              for a, b in zip(after, before, strict=True)]
                 result = {
                     "nodes": n, "partitions": partitions, "insert_rate_per_node": rate,
-                    "min_record_interval_s": min_record_interval,
+                    "min_record_interval_s": min_record_interval, "replicas": replicas,
                     "window_s": seconds, "inserted": inserted,
                     "payload_bytes_per_node_per_s_mean": statistics.mean(out_rates),
                     "payload_bytes_per_node_per_s_max": max(out_rates),
@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     dl.add_argument("--seconds", type=float, default=30.0)
     dl.add_argument("--partitions", default="0,256",
                     help="comma-separated [digest] partitions values, one swarm each")
+    dl.add_argument("--replicas", type=int, default=3, help="[digest] replicas")
     dl.add_argument("--min-record-interval", type=float, default=0.0,
                     help="[digest] min_record_interval_s of every node")
     c = sub.add_parser("convergence")
@@ -421,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_hop(a.requests)
     elif a.which == "digest-load":
         result = [bench_digest_load(a.nodes, a.rate, a.seconds, int(p), a.interval, a.fanout,
-                                    min_record_interval=a.min_record_interval)
+                                    min_record_interval=a.min_record_interval,
+                                    replicas=a.replicas)
                   for p in a.partitions.split(",")]
     elif a.which == "digest-bytes":
         result = bench_digest_bytes(a.nodes, a.prefixes, a.seconds, a.interval, a.fanout,
