@@ -861,12 +861,6 @@ def _partition_target() -> Target:
             raise errors[0]
         return out
 
-    def structured(rng: random.Random, data: bytes) -> bytes | None:
-        msg = _cbor_load(data)
-        if not isinstance(msg, list):
-            return None
-        return cbor_encode(mutate_tree(rng, msg), rng)
-
     n = MAX_PARTITION_MESSAGE_BYTES
     crafted = [
         ("push-1MiB-of-empty-bytes",
@@ -879,7 +873,7 @@ def _partition_target() -> Target:
         (PartitionMessageError,),
         run,
         seeds,
-        structured=structured,
+        structured=_cbor_structured,
         crafted=crafted,
         cbor=True,
         nest_open=b"\x81",

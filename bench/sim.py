@@ -93,7 +93,6 @@ from prefixmesh.overlay.digest import LoadFigures
 from prefixmesh.overlay.identity import Identity
 from prefixmesh.overlay.partition import (
     HolderMatch,
-    LookupCache,
     PartitionConfig,
     PartitionedDigest,
     decode_ack,
@@ -267,7 +266,7 @@ class _Node:
         "idx", "ident", "pid", "ae", "index", "policy", "tree", "queue", "busy", "busy_until",
         "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "known", "trust",
         "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent", "placements", "memory",
-        "pd", "lookups", "lookup_bytes",
+        "pd", "lookup_bytes",
     )  # fmt: skip
 
 
@@ -290,7 +289,7 @@ class _Req:
         self.est_from = -1
         self.enqueued_at = 0.0
         self.svc_est = 0.0
-        self.answer = None  # a lookup answer to decide with (partitioned digests)
+        self.answer = None  # holder -> blocks to decide with (partitioned digests)
         self.looked_up = False
 
 
@@ -376,7 +375,6 @@ class Simulator:
         )  # fmt: skip
         n.index = PeerCacheIndex()
         n.pd = None
-        n.lookups = None
         n.lookup_bytes = 0
         if cfg.partitions:
             ident = n.ident
@@ -394,7 +392,6 @@ class Simulator:
                 config=PartitionConfig(n_partitions=cfg.partitions, replicas=cfg.replicas,
                                        lookup_ttl_s=cfg.lookup_ttl_s),
             )  # fmt: skip
-            n.lookups = LookupCache(cfg.lookup_ttl_s, n.pd.config.key_depth)
         n.policy = make_policy(
             cfg.policy, self.routing, random.Random(self.rng.getrandbits(64)), n.pid
         )
@@ -496,18 +493,22 @@ class Simulator:
                     continue
                 t, _, kind, a, b = heapq.heappop(heap)
                 self.now = t
-                if kind == _EV_ARRIVE:
-                    self._arrive(a)
-                elif kind == _EV_DONE:
-                    self._done(a)
-                elif kind == _EV_GOSSIP:
-                    self._gossip(a)
-                elif kind == _EV_MSG:
-                    self._message(a, b)
-                else:
-                    self._partition_message(a, b)
+                self._dispatch(kind, a, b)
         wall = time.perf_counter() - wall0
         return self._result(wall)
+
+    def _dispatch(self, kind: int, a: object, b: object) -> None:
+        """Handle one event popped from the heap (``self.now`` already set)."""
+        if kind == _EV_ARRIVE:
+            self._arrive(a)
+        elif kind == _EV_DONE:
+            self._done(a)
+        elif kind == _EV_GOSSIP:
+            self._gossip(a)
+        elif kind == _EV_MSG:
+            self._message(a, b)
+        else:
+            self._partition_message(a, b)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -584,22 +585,20 @@ class Simulator:
     def _partition_matches(
         self, node: _Node, sr: _Req, chain: list[bytes], unmatched: int
     ) -> dict | None:
-        """Holder -> matched blocks for a partitioned router: its own index when it is a
-        home of the chain's partition, else a cached or fresh lookup answer (None: a
-        lookup was sent). Only the entry node looks up; a forwarded request is decided
-        with what the node knows."""
+        """Holder -> matched blocks for a partitioned router: what its digest state knows
+        (``PartitionedDigest.known_matches``: its own index when it is a home of the
+        chain's partition, else a cached answer), a holder list carried by the request
+        from the previous hop, or a fresh lookup (None: a lookup was sent). Only the entry
+        node looks up; a forwarded request is decided with what the node knows."""
         if not chain:
             return {}
         pd = node.pd
-        p = pd.partition(self.ns, chain)
-        homes = pd.homes(p, self.all_pids)
+        known, homes = pd.known_matches(self.ns, chain, self.all_pids, self.now)
         if node.pid in homes:
-            index = pd.indexes.get(p)
-            return index.longest_matches(self.ns, chain) if index is not None else {}
-        answer = sr.answer
-        if answer is None:
-            answer = node.lookups.get(self.ns, chain, self.now)
-        if answer is None:
+            return known
+        if sr.answer is not None:
+            known = sr.answer
+        if known is None:
             if sr.hops or sr.looked_up:
                 return {}
             if not lookup_pays(unmatched, self.cfg.prefill_tps, self.rtt_s):
@@ -607,6 +606,7 @@ class Simulator:
                 return {}
             sr.looked_up = True
             home = self.nodes[self.by_pid[homes[0]]]
+            p = pd.partition(self.ns, chain)
             data = encode_lookup(p, self.ns, chain)
             node.lookup_bytes += len(data)
             self.m_lookups += 1
@@ -615,8 +615,8 @@ class Simulator:
             return None
         # Kept on the request: a forward carries the holder list on to the next hop (it
         # would ride in the forwarded request), which then decides with it too.
-        sr.answer = answer
-        return {h.peer: h.blocks for h in answer}
+        sr.answer = known
+        return known
 
     def _partition_message(self, head: tuple, body: tuple) -> None:
         kind, src, dst, extra = head
@@ -644,10 +644,8 @@ class Simulator:
         else:
             holders: list[HolderMatch] = decode_lookup_answer(data) if decode else value
             sr = extra
-            router = dst
-            router.pd.note_answer(holders)
-            router.lookups.put(self.ns, self._chain(sr.req), holders, self.now)
-            sr.answer = holders
+            dst.pd.take_answer(self.ns, self._chain(sr.req), holders, self.now)
+            sr.answer = {h.peer: h.blocks for h in holders}
             self._arrive(sr)
 
     def _candidates_from(
@@ -824,10 +822,7 @@ class Simulator:
         now = self.now
         if node.liar:
             self._lie(node)
-        if node.pd is not None:
-            self._gossip_partitioned(node)
-            return
-        node.ae.set_local_load(
+        (node.pd if node.pd is not None else node.ae).set_local_load(
             LoadFigures(
                 queue_depth=len(node.queue),
                 active=1 if node.busy else 0,
@@ -837,6 +832,9 @@ class Simulator:
             cfg.kv_capacity_bytes,
             node.tree.used_bytes,
         )
+        if node.pd is not None:
+            self._gossip_partitioned(node)
+            return
         node.ae.tick(now)
         for origin in node.ae.expire(now):
             node.index.drop_peer(origin)
@@ -855,16 +853,6 @@ class Simulator:
         cfg = self.cfg
         now = self.now
         pd = node.pd
-        pd.set_local_load(
-            LoadFigures(
-                queue_depth=len(node.queue),
-                active=1 if node.busy else 0,
-                prefill_tps=cfg.prefill_tps,
-                decode_tps=cfg.decode_tps,
-            ),
-            cfg.kv_capacity_bytes,
-            node.tree.used_bytes,
-        )
         pd.tick(now)
         node.known = [p for p in pd.known_peers() if p != node.pid]
         for push in pd.pushes(now, self.all_pids, cfg.gossip_budget_bytes):
@@ -1012,10 +1000,7 @@ def measure_convergence(
             while sim.heap and sim.heap[0][0] <= t_max:
                 t, _, kind, a, b = heapq.heappop(sim.heap)
                 sim.now = t
-                if kind == _EV_GOSSIP:
-                    sim._gossip(a)
-                elif kind == _EV_MSG:
-                    sim._message(a, b)
+                sim._dispatch(kind, a, b)
                 if pred():
                     return True
             return pred()
@@ -1043,10 +1028,8 @@ def measure_convergence(
         while sim.heap and pending and sim.heap[0][0] <= t0 + max_intervals * interval_s:
             t, _, kind, a, b = heapq.heappop(sim.heap)
             sim.now = t
-            if kind == _EV_GOSSIP:
-                sim._gossip(a)
-            elif kind == _EV_MSG:
-                sim._message(a, b)
+            sim._dispatch(kind, a, b)
+            if kind == _EV_MSG:
                 dst = a[1]
                 if dst.idx in pending and dst.index.longest_match(src.pid, sim.ns, chain) >= len(
                     chain
@@ -1109,10 +1092,8 @@ def _partition_convergence(
                 bytes0 = sum(n.bytes_sent for n in sim.nodes)
                 added = True
             sim.now = t
-            if kind == _EV_GOSSIP:
-                sim._gossip(a)
-            elif kind == _EV_PART:
-                sim._partition_message(a, b)
+            sim._dispatch(kind, a, b)
+            if kind == _EV_PART:
                 dst = a[2]
                 index = dst.pd.indexes.get(p)
                 if (added and dst.idx in pending and index is not None
@@ -1189,12 +1170,7 @@ def measure_idle_digest(
             if bytes_half is None and t > half:
                 bytes_half = sum(n.bytes_sent for n in sim.nodes)
             sim.now = t
-            if kind == _EV_GOSSIP:
-                sim._gossip(a)
-            elif kind == _EV_MSG:
-                sim._message(a, b)
-            elif kind == _EV_PART:
-                sim._partition_message(a, b)
+            sim._dispatch(kind, a, b)
         total = sum(n.bytes_sent for n in sim.nodes)
     return {
         "nodes": nodes,

@@ -223,6 +223,9 @@ __all__ = [
     "decode_reply",
     "encode_records",
     "decode_records",
+    "summary_entries",
+    "parse_summary_entries",
+    "parse_record_list",
 ]
 
 MAX_ORIGINS = 1024
@@ -1105,7 +1108,8 @@ def _raws(records: Iterable[SignedRecord | bytes]) -> list[bytes]:
     return [r.raw if isinstance(r, SignedRecord) else bytes(r) for r in records]
 
 
-def _summary_list(summary: Mapping[bytes, tuple[int, int]]) -> list:
+def summary_entries(summary: Mapping[bytes, tuple[int, int]]) -> list:
+    """A summary as the wire's sorted ``[origin, epoch, seq]`` array."""
     return [[o, e, s] for o, (e, s) in sorted(summary.items())]
 
 
@@ -1189,7 +1193,7 @@ def encode_summary(summary: Mapping[bytes, tuple[int, int]]) -> bytes:
     """Message 1: ``[1, [[origin, epoch, seq], ...]]``."""
     if len(summary) > MAX_SUMMARY_ENTRIES:
         raise OversizeMessage(f"summary of {len(summary)} entries exceeds {MAX_SUMMARY_ENTRIES}")
-    return _dump([MSG_SUMMARY, _summary_list(summary)])
+    return _dump([MSG_SUMMARY, summary_entries(summary)])
 
 
 def encode_reply(
@@ -1201,7 +1205,7 @@ def encode_reply(
     raws = _raws(records)
     want = sorted(set(want_snapshots))
     _check_reply_bounds(len(raws), len(summary), len(want))
-    return _dump([MSG_REPLY, raws, _summary_list(summary), want])
+    return _dump([MSG_REPLY, raws, summary_entries(summary), want])
 
 
 def encode_records(records: Iterable[SignedRecord | bytes]) -> bytes:
@@ -1230,7 +1234,9 @@ def _load_message(data: bytes, msg_type: int, arity: int) -> list:
     return message
 
 
-def _parse_summary(entries: object) -> Summary:
+def parse_summary_entries(entries: object) -> Summary:
+    """Validate a decoded ``[origin, epoch, seq]`` array (raises MalformedMessage /
+    OversizeMessage)."""
     if type(entries) is not list:
         raise MalformedMessage("summary must be an array")
     if len(entries) > MAX_SUMMARY_ENTRIES:
@@ -1251,7 +1257,8 @@ def _parse_summary(entries: object) -> Summary:
     return summary
 
 
-def _parse_raws(items: object) -> list[bytes]:
+def parse_record_list(items: object) -> list[bytes]:
+    """Validate a decoded array of raw records (raises MalformedMessage / OversizeMessage)."""
     if type(items) is not list:
         raise MalformedMessage("records must be an array")
     if len(items) > MAX_RECORDS_PER_MESSAGE:
@@ -1262,7 +1269,7 @@ def _parse_raws(items: object) -> list[bytes]:
 
 
 def decode_summary(data: bytes) -> Summary:
-    return _parse_summary(_load_message(data, MSG_SUMMARY, 2)[1])
+    return parse_summary_entries(_load_message(data, MSG_SUMMARY, 2)[1])
 
 
 def decode_reply(data: bytes) -> ExchangeReply:
@@ -1273,11 +1280,11 @@ def decode_reply(data: bytes) -> ExchangeReply:
         raise OversizeMessage(f"{len(want)} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
     if any(type(o) is not bytes or len(o) != PEER_ID_BYTES for o in want):
         raise MalformedMessage("snapshot requests must be peer ids")
-    return ExchangeReply(_parse_raws(raws), _parse_summary(summary), frozenset(want))
+    return ExchangeReply(parse_record_list(raws), parse_summary_entries(summary), frozenset(want))
 
 
 def decode_records(data: bytes) -> list[bytes]:
-    return _parse_raws(_load_message(data, MSG_RECORDS, 2)[1])
+    return parse_record_list(_load_message(data, MSG_RECORDS, 2)[1])
 
 
 # --- per-peer delta summaries (messages 4-6) ------------------------------------------------
@@ -1315,7 +1322,7 @@ def _check_delta(delta: DeltaSummary) -> None:
 def encode_delta_summary(delta: DeltaSummary) -> bytes:
     """Message 4: ``[4, base16, new16, [[origin, epoch, seq], ...]]`` (replaces message 1)."""
     _check_delta(delta)
-    return _dump([MSG_DELTA_SUMMARY, delta.base, delta.new, _summary_list(delta.entries)])
+    return _dump([MSG_DELTA_SUMMARY, delta.base, delta.new, summary_entries(delta.entries)])
 
 
 def encode_need_summary() -> bytes:
@@ -1336,7 +1343,7 @@ def encode_delta_reply(
     _check_reply_bounds(len(raws), len(delta.entries), len(want))
     _check_delta(delta)
     return _dump(
-        [MSG_DELTA_REPLY, raws, delta.base, delta.new, _summary_list(delta.entries), want]
+        [MSG_DELTA_REPLY, raws, delta.base, delta.new, summary_entries(delta.entries), want]
     )
 
 
@@ -1358,7 +1365,7 @@ def _parse_want(want: object) -> frozenset[bytes]:
 
 def decode_delta_summary(data: bytes) -> DeltaSummary:
     _, base, new, entries = _load_message(data, MSG_DELTA_SUMMARY, 4)
-    return DeltaSummary(_parse_hash(base), _parse_hash(new), _parse_summary(entries))
+    return DeltaSummary(_parse_hash(base), _parse_hash(new), parse_summary_entries(entries))
 
 
 def decode_need_summary(data: bytes) -> None:
@@ -1368,8 +1375,8 @@ def decode_need_summary(data: bytes) -> None:
 
 def decode_delta_reply(data: bytes) -> DeltaReply:
     _, raws, base, new, entries, want = _load_message(data, MSG_DELTA_REPLY, 6)
-    delta = DeltaSummary(_parse_hash(base), _parse_hash(new), _parse_summary(entries))
-    return DeltaReply(_parse_raws(raws), delta, _parse_want(want))
+    delta = DeltaSummary(_parse_hash(base), _parse_hash(new), parse_summary_entries(entries))
+    return DeltaReply(parse_record_list(raws), delta, _parse_want(want))
 
 
 # --- bucketed summaries (messages 7-8) --------------------------------------------------------
@@ -1434,7 +1441,7 @@ def encode_scoped_summary(scoped: ScopedSummary) -> bytes:
             f"summary of {len(scoped.entries)} entries exceeds {MAX_SUMMARY_ENTRIES}"
         )
     buckets = sorted(set(scoped.buckets))
-    return _dump([MSG_SCOPED_SUMMARY, scoped.k, buckets, _summary_list(scoped.entries)])
+    return _dump([MSG_SCOPED_SUMMARY, scoped.k, buckets, summary_entries(scoped.entries)])
 
 
 def decode_scoped_summary(data: bytes) -> ScopedSummary:
@@ -1449,7 +1456,7 @@ def decode_scoped_summary(data: bytes) -> ScopedSummary:
     scope = set(buckets)
     if len(scope) != len(buckets):
         raise MalformedMessage("a bucket is listed twice")
-    summary = _parse_summary(entries)
+    summary = parse_summary_entries(entries)
     if any(bucket_of(o, k) not in scope for o in summary):
         raise MalformedMessage("a summary entry outside the listed buckets")
     return ScopedSummary(k, tuple(buckets), summary)

@@ -470,7 +470,8 @@ class InferService:
         part = self.partition
         if part is not None:
             matches = await self._partition_matches(
-                req, chain, part, len(req.tokens) - min(local_matched, len(req.tokens))
+                req, chain, part, len(req.tokens) - min(local_matched, len(req.tokens)),
+                load.prefill_tps,
             )
         else:
             matches = self.index.longest_matches(req.ns, chain)
@@ -569,47 +570,41 @@ class InferService:
         return decision, hop_base, ctx
 
     async def _partition_matches(
-        self, req: wire.Request, chain: list[bytes], part: PartitionGossip, unmatched: int
+        self, req: wire.Request, chain: list[bytes], part: PartitionGossip, unmatched: int,
+        prefill_tps: float,
     ) -> dict[bytes, int]:
-        """Holder -> matched blocks under partial replication: our own partition index if
-        we are a home of the chain's partition, else a cached lookup answer, else (entry
-        node only, when a lookup can pay at all) a lookup to the first live home. Any
-        failure means no candidates: the request is decided as if no peer held it."""
+        """Holder -> matched blocks under partial replication: what the digest state knows
+        (``PartitionedDigest.known_matches``: our own partition index if we are a home,
+        else a cached answer), else (entry node only, when a lookup can pay at all) a
+        lookup to the first live home, then the second. Any failure means no candidates:
+        the request is decided as if no peer held it."""
         if not chain:
             return {}
-        pd = part.pd
-        p, homes = part.homes_of(req.ns, chain)
-        if self.me in homes:
-            self._count("partition_home_decisions")
-            index = pd.indexes.get(p)
-            return dict(index.longest_matches(req.ns, chain)) if index is not None else {}
-        answer = part.lookup_cache.get(req.ns, chain, self.clock())
-        if answer is None:
-            if req.trace:  # forwarded in: the entry node already looked (as the simulator)
-                return {}
-            live = [h for h in homes if self.heartbeat.is_up(h)]
-            if not live:
-                self._count("partition_no_live_home")
-                return {}
-            rtt = self.heartbeat.rtt_s(live[0])
-            load = self.backend.load_figures()
-            # what a hit elsewhere could save at most: prefilling what we do not hold
-            if not lookup_pays(unmatched, load.prefill_tps, rtt if rtt is not None else 0.005):
-                self._count("partition_lookups_skipped")
-                return {}
-            # the first live home, then (if it fails or times out) the second: a home that
-            # is up by the heartbeat can still be wedged or just restarted without records
-            for home in live[:2]:
-                self._count("partition_lookups")
-                answer = await part.lookup(home, req.ns, chain, self.settings.lookup_timeout_s)
-                if answer is not None:
-                    break
-                self._count("partition_lookups_failed")
-            else:
-                return {}
-        else:
-            self._count("partition_lookup_cache_hits")
-        return {h.peer: h.blocks for h in answer}
+        known, homes = part.pd.known_matches(req.ns, chain, part.members(), self.clock())
+        if known is not None:
+            self._count("partition_home_decisions" if self.me in homes
+                        else "partition_lookup_cache_hits")
+            return known
+        if req.trace:  # forwarded in: the entry node already looked (as the simulator)
+            return {}
+        live = [h for h in homes if self.heartbeat.is_up(h)]
+        if not live:
+            self._count("partition_no_live_home")
+            return {}
+        rtt = self.heartbeat.rtt_s(live[0])
+        # what a hit elsewhere could save at most: prefilling what we do not hold
+        if not lookup_pays(unmatched, prefill_tps, rtt if rtt is not None else 0.005):
+            self._count("partition_lookups_skipped")
+            return {}
+        # the first live home, then (if it fails or times out) the second: a home that is
+        # up by the heartbeat can still be wedged or just restarted without records
+        for home in live[:2]:
+            self._count("partition_lookups")
+            answer = await part.lookup(home, req.ns, chain, self.settings.lookup_timeout_s)
+            if answer is not None:
+                return {h.peer: h.blocks for h in answer}
+            self._count("partition_lookups_failed")
+        return {}
 
     def _count(self, key: str) -> None:
         """A counter that exists only once it is used (partitioned mode's counters must

@@ -134,9 +134,13 @@ class PartitionGossip:
         self.stream_idle_s = stream_idle_s
         # open push streams: home -> (stream, monotonic time of last use)
         self._push_streams: dict[bytes, tuple[FramedStream, float]] = {}
-        self.lookup_cache = LookupCache(pd.config.lookup_ttl_s, pd.config.key_depth)
         self.rounds = 0
         self.last_heard: dict[bytes, float] = {}  # origin -> wall time of its last applied record
+
+    @property
+    def lookup_cache(self) -> LookupCache:
+        """The digest state's cache of lookup answers (shared with the router)."""
+        return self.pd.lookup_cache
 
     # --- membership --------------------------------------------------------------------
 
@@ -295,8 +299,7 @@ class PartitionGossip:
             log.debug("partition lookup failed: %s", exc)
             return None
         self.stats["lookup_answers"] += 1
-        self.pd.note_answer(holders)
-        self.lookup_cache.put(ns, chain, holders, self.clock())
+        self.pd.take_answer(ns, chain, holders, self.clock())
         return holders
 
     # --- responder side ----------------------------------------------------------------
@@ -354,9 +357,7 @@ class PartitionGossip:
             await self._answer_push(fs, peer, data)
         elif kind == MSG_LOOKUP:
             p, ns, chain = decode_lookup(data)
-            if not 0 <= p < self.pd.config.n_partitions:
-                raise PartitionMessageError(f"partition {p} out of range")
-            holders = self.pd.lookup(p, ns, chain)
+            holders = self.pd.lookup(p, ns, chain)  # raises PartitionMessageError if p is bad
             await self._send(fs, encode_lookup_answer(holders))
             self.stats["lookups_answered"] += 1
         else:

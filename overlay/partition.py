@@ -75,7 +75,13 @@ from dataclasses import dataclass
 
 import cbor2
 
-from .antientropy import AntiEntropy
+from .antientropy import (
+    AntiEntropy,
+    AntiEntropyError,
+    parse_record_list,
+    parse_summary_entries,
+    summary_entries,
+)
 from .digest import (
     HASH_BYTES,
     MAX_MODEL_FP_BYTES,
@@ -251,6 +257,8 @@ class PartitionedDigest:
         self._inflight: dict[tuple[int, bytes], tuple[tuple[int, int] | None, float]] = {}
         self._load: tuple[LoadFigures, int, int] | None = None
         self._estimates: dict[bytes, tuple[float, LoadFigures]] = {}
+        # lookup answers this node received as a router (both shells use this one)
+        self.lookup_cache = LookupCache(config.lookup_ttl_s, config.key_depth)
         self.stats = {"pushes": 0, "acks": 0, "lookups_answered": 0, "refused_pushes": 0}
 
     # --- partitions ---------------------------------------------------------------------
@@ -376,8 +384,7 @@ class PartitionedDigest:
         result = ae.receive(raws, now)
         index = self.indexes[p]
         applied = []
-        for signed in result.applied:
-            record = signed if isinstance(signed, DigestRecord) else signed.record
+        for record in result.applied:
             if record.origin == self.peer_id:
                 continue
             index.apply(record, now)
@@ -405,6 +412,8 @@ class PartitionedDigest:
     def lookup(self, p: int, ns: bytes, chain: Sequence[bytes]) -> list[HolderMatch]:
         """Answer a lookup as a home of ``p`` (our own holdings included): every holder
         with at least one leading block of ``chain``, longest first."""
+        if not 0 <= p < self.config.n_partitions:
+            raise PartitionMessageError(f"partition {p} out of range")
         self.stats["lookups_answered"] += 1
         index = self.indexes.get(p)
         if index is None or not chain:
@@ -429,6 +438,29 @@ class PartitionedDigest:
         for h in holders:
             if h.peer != self.peer_id:
                 self._note_load(h.peer, h.expires_at, h.load)
+
+    def take_answer(
+        self, ns: bytes, chain: Sequence[bytes], holders: Sequence[HolderMatch], now: float
+    ) -> None:
+        """A lookup answer for ``chain`` arrived: note its load figures and cache it."""
+        self.note_answer(holders)
+        self.lookup_cache.put(ns, chain, holders, now)
+
+    def known_matches(
+        self, ns: bytes, chain: Sequence[bytes], nodes: Iterable[bytes], now: float
+    ) -> tuple[dict[bytes, int] | None, list[bytes]]:
+        """What a router knows without asking: (holder -> matched blocks, or None when a
+        lookup is needed; the homes of the chain's partition, best first). Matches come
+        from our own partition index when we are a home, else from a cached answer."""
+        p = self.partition(ns, chain)
+        homes = self.homes(p, nodes)
+        if self.peer_id in homes:
+            index = self.indexes.get(p)
+            return (dict(index.longest_matches(ns, chain)) if index is not None else {}), homes
+        answer = self.lookup_cache.get(ns, chain, now)
+        if answer is None:
+            return None, homes
+        return {h.peer: h.blocks for h in answer}, homes
 
     def load_of(self, peer: bytes) -> tuple[LoadFigures, float] | None:
         """The freshest load figures we know of ``peer`` (from any index or answer) and the
@@ -553,34 +585,28 @@ def decode_push(data: bytes) -> tuple[int, list[bytes]]:
     m = _load(data, MSG_PUSH, 3, 8 + _MAX_PUSH_RECORDS)
     p = _check_partition(m[1])
     raws = m[2]
-    if type(raws) is not list or len(raws) > _MAX_PUSH_RECORDS:
-        raise PartitionMessageError(f"records must be an array of at most {_MAX_PUSH_RECORDS}")
-    if any(type(r) is not bytes for r in raws):
-        raise PartitionMessageError("each record must be a byte string")
-    return p, raws
+    if type(raws) is list and len(raws) > _MAX_PUSH_RECORDS:
+        raise PartitionMessageError(f"a push carries at most {_MAX_PUSH_RECORDS} records")
+    try:
+        return p, parse_record_list(raws)  # the exchange codecs' check of a records array
+    except AntiEntropyError as exc:
+        raise PartitionMessageError(str(exc)) from None
 
 
 def encode_ack(p: int, entries: Mapping[bytes, tuple[int, int]]) -> bytes:
-    return _dump([MSG_ACK, p, [[o, e, s] for o, (e, s) in sorted(entries.items())]])
+    return _dump([MSG_ACK, p, summary_entries(entries)])
 
 
 def decode_ack(data: bytes) -> tuple[int, dict[bytes, tuple[int, int]]]:
     m = _load(data, MSG_ACK, 3, 64)
     p = _check_partition(m[1])
     entries = m[2]
-    if type(entries) is not list or len(entries) > 8:
+    if type(entries) is list and len(entries) > 8:
         raise PartitionMessageError("an acknowledgement lists at most 8 entries")
-    out: dict[bytes, tuple[int, int]] = {}
-    for entry in entries:
-        if type(entry) is not list or len(entry) != 3:
-            raise PartitionMessageError("an entry is [origin, epoch, seq]")
-        origin, epoch, seq = entry
-        _check_peer(origin)
-        for v in (epoch, seq):
-            if type(v) is not int or not 0 <= v < 2**63:
-                raise PartitionMessageError("epoch/seq must be integers in [0, 2^63)")
-        out[origin] = (epoch, seq)
-    return p, out
+    try:
+        return p, parse_summary_entries(entries)  # the exchange codecs' check of summary entries
+    except AntiEntropyError as exc:
+        raise PartitionMessageError(str(exc)) from None
 
 
 def encode_lookup(p: int, ns: bytes, chain: Sequence[bytes]) -> bytes:

@@ -337,34 +337,42 @@ def test_push_streams_are_reused_and_reopened_after_the_home_closes_them():
 SYSTEM = "a long shared system prompt about routing requests to cached prefixes. " * 10
 
 
+async def _partitioned_swarm(nursery, tmp_path, n: int) -> list:
+    """``n`` in-process nodes (real libp2p, simulated engine), each bootstrapped to every
+    earlier one, ``[digest] partitions = 16, replicas = 2``; returns once every node sees
+    all the others up."""
+    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
+    from prefixmesh.node.config import load_config  # noqa: PLC0415
+    from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
+
+    nodes: list = []
+    for i in range(n):
+        overrides = {
+            "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
+            "node.key_file": str(tmp_path / f"n{i}.key"),
+            "node.bootstrap": [nd.full_addrs()[0] for nd in nodes] or None,
+            "digest.interval_s": 0.3, "digest.partitions": 16, "digest.replicas": 2,
+        }
+        node = Node(load_config(None, overrides),
+                    NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
+                                heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                    identity=Identity.generate(), backend=SimulatedBackend(prefill_tps=400.0))
+        await nursery.start(node.run)
+        nodes.append(node)
+    await _wait_for(lambda: all(len(nd.heartbeat.up_peers()) == n - 1 for nd in nodes), 20)
+    return nodes
+
+
 def test_partitioned_swarm_rehomes_a_partition_when_a_home_leaves(tmp_path):
     """In-process nodes (real libp2p, simulated engine): a holder's partition records
     reach its homes; a non-home entry node finds the holder by a lookup; when a home shuts
     down, the heartbeat's membership changes, the partition gets a new home, the holder
     pushes its stream there unasked, and routing through a lookup still finds it."""
-    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
     from prefixmesh.node.client import Client  # noqa: PLC0415
-    from prefixmesh.node.config import load_config  # noqa: PLC0415
-    from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
 
     async def main():
         async with trio.open_nursery() as nursery:
-            nodes: list = []
-            for i in range(5):
-                overrides = {
-                    "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
-                    "node.key_file": str(tmp_path / f"n{i}.key"),
-                    "node.bootstrap": [nd.full_addrs()[0] for nd in nodes] or None,
-                    "digest.interval_s": 0.3, "digest.partitions": 16, "digest.replicas": 2,
-                }
-                node = Node(load_config(None, overrides),
-                            NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
-                                        heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
-                            identity=Identity.generate(),
-                            backend=SimulatedBackend(prefill_tps=400.0))
-                await nursery.start(node.run)
-                nodes.append(node)
-            await _wait_for(lambda: all(len(nd.heartbeat.up_peers()) == 4 for nd in nodes), 20)
+            nodes = await _partitioned_swarm(nursery, tmp_path, 5)
             holder = nodes[0]
             hid = holder.identity.peer_id
             async with Client.connect(holder.full_addrs()[0]) as c:
@@ -414,29 +422,11 @@ def test_a_lookup_that_fails_at_the_first_home_is_asked_again_at_the_second(tmp_
     """The first home of the request's partition is up (heartbeats answered) but its
     partition protocol hangs: the entry node's lookup times out there, asks the second
     home, and still routes to the holder."""
-    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
     from prefixmesh.node.client import Client  # noqa: PLC0415
-    from prefixmesh.node.config import load_config  # noqa: PLC0415
-    from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
 
     async def main():
         async with trio.open_nursery() as nursery:
-            nodes: list = []
-            for i in range(5):
-                overrides = {
-                    "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
-                    "node.key_file": str(tmp_path / f"n{i}.key"),
-                    "node.bootstrap": [nd.full_addrs()[0] for nd in nodes] or None,
-                    "digest.interval_s": 0.3, "digest.partitions": 16, "digest.replicas": 2,
-                }
-                node = Node(load_config(None, overrides),
-                            NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
-                                        heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
-                            identity=Identity.generate(),
-                            backend=SimulatedBackend(prefill_tps=400.0))
-                await nursery.start(node.run)
-                nodes.append(node)
-            await _wait_for(lambda: all(len(nd.heartbeat.up_peers()) == 4 for nd in nodes), 20)
+            nodes = await _partitioned_swarm(nursery, tmp_path, 5)
             by_id = {nd.identity.peer_id: nd for nd in nodes}
             # a holder that is not a home of its own partition, so both homes are others
             # (nodes tried before it hold the prompt too: they are homes, not entries)
