@@ -43,9 +43,14 @@ Deliberate simplifications
     :func:`memoised_record_decoding`: each distinct record is parsed and verified once
     per simulation instead of once per receiving node), which changes no outcome.
 
+Trust (``trust_feedback``, off by default so routing is compared without it)
+    Every router keeps the node's own ``TrustTracker`` (``overlay/trust.py``): candidates
+    carry its trust, and when a forwarded request finishes, each router on its path
+    charges its next hop with what the serving node really reused (rule (a), exactly as
+    ``InferService._observe_final`` does with the FINAL frame; observed at completion,
+    the return delay aside). Without it every claim is taken at face value (trust 1).
+
 Proposals (off by default; measured in docs/bench/sim.md, not node features yet)
-    ``trust_feedback``: a router lowers its trust in a peer whose actual reuse fell short
-    of the advertised match (AIMD), as if replies reported reused tokens.
     ``inflight_correction``: a router adds its own forwards since a peer's load figure
     was issued to that figure.
 
@@ -113,6 +118,7 @@ from prefixmesh.overlay.routing import (
     RoutingConfig,
     make_policy,
 )
+from prefixmesh.overlay.trust import TrustTracker
 
 from . import gossip as _gossip
 from .workloads import Request, Workload
@@ -166,7 +172,7 @@ class SimConfig:
     warmup_s: float | None = None  # gossip before the first request; None: 3 intervals
     max_hops: int | None = None  # None: 1 for pick-one baselines, 2 otherwise
     shed_candidates: int = 2  # random extra peers offered to prefixmesh (load shedding)
-    trust_feedback: bool = False  # forwarder learns actual/estimated reuse (proposal)
+    trust_feedback: bool = False  # routers keep the node's TrustTracker (module docstring)
     inflight_correction: bool = False  # add own forwards since a peer's load figure (proposal)
     # Ski rental now lives in routing (RoutingConfig.ski_rental, on by default); None
     # follows `routing`, True/False override it (the sweeps compare both).
@@ -275,7 +281,7 @@ class _Req:
 
     __slots__ = (
         "req", "entry", "node", "hops", "visited", "back_s", "est_tokens", "est_from",
-        "enqueued_at", "svc_est", "answer", "looked_up",
+        "enqueued_at", "svc_est", "answer", "looked_up", "claims", "reused",
     )  # fmt: skip
 
     def __init__(self, req: Request, entry: int) -> None:
@@ -291,6 +297,8 @@ class _Req:
         self.svc_est = 0.0
         self.answer = None  # holder -> blocks to decide with (partitioned digests)
         self.looked_up = False
+        self.claims: list[tuple[int, bytes, int]] = []  # (router, next hop, its claim)
+        self.reused = 0  # tokens the serving node reused (the FINAL frame's cached_tokens)
 
 
 # ---------------------------------------------------------------------------- simulator
@@ -407,7 +415,7 @@ class Simulator:
         n.liar = liar
         n.lies = deque()
         n.known = []
-        n.trust = {}
+        n.trust = TrustTracker() if self.cfg.trust_feedback else None
         n.bytes_sent = 0
         n.rr_entry = 0
         n.current = None
@@ -571,6 +579,8 @@ class Simulator:
             est = next((c.matched_tokens for c in candidates if c.peer == decision.peer), 0)
             sr.est_tokens = est
             sr.est_from = node.idx
+            if node.trust is not None:
+                sr.claims.append((node.idx, decision.peer, est))
             if cfg.inflight_correction:
                 node.fwd_log.setdefault(decision.peer, deque()).append(self.now)
             sr.visited = sr.visited | {node.pid}
@@ -702,7 +712,7 @@ class Simulator:
             queue_wait_s=load * node.svc_mean,
             load=load,
             rtt_s=self.rtt_s,
-            trust=node.trust.get(peer, 1.0),
+            trust=1.0 if node.trust is None else node.trust.trust(peer, self.now),
         )
 
     def _oracle_candidates(self, node: _Node, chain: list[bytes]) -> list[Candidate]:
@@ -773,21 +783,13 @@ class Simulator:
             if m < sr.est_tokens:
                 self.m_false_hits += 1
                 self.m_false_hit_tokens += sr.est_tokens - m
-            if self.cfg.trust_feedback and sr.est_from >= 0:
-                # AIMD on the router's trust in the serving peer (a proposal, not yet a
-                # node feature): the reply tells the router how much was really reused;
-                # a claim that fell short halves trust, a kept claim adds 0.1. Three
-                # broken claims in a row put a peer under the default trust floor (0.2).
-                router = self.nodes[sr.est_from]
-                old = router.trust.get(node.pid, 1.0)
-                kept = m >= sr.est_tokens
-                router.trust[node.pid] = min(1.0, old + 0.1) if kept else old * 0.5
         node.busy = True
         node.busy_until = self.now + svc
         node.busy_time += svc
         node.served += 1
         node.svc_mean = 0.9 * node.svc_mean + 0.1 * svc
         node.current = sr
+        sr.reused = reused
         self._push(self.now + svc, _EV_DONE, node)
 
     def _done(self, node: _Node) -> None:
@@ -795,6 +797,9 @@ class Simulator:
         node.current = None
         node.busy = False
         self.m_done += 1
+        for router, peer, claimed in sr.claims:  # the FINAL frame reaches each forwarder
+            self.nodes[router].trust.observe_cache(
+                peer, self.now, claimed_tokens=claimed, cached_tokens=sr.reused)
         req = sr.req
         tokens = req.tokens
         chain = self._chain(req)
@@ -1234,7 +1239,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-hops", type=int, default=None)
     p.add_argument("--liars", type=float, default=0.0, help="fraction of lying nodes")
     p.add_argument("--trust-feedback", action="store_true",
-                   help="routers lower a peer's trust when its actual reuse falls short")
+                   help="routers keep the node's TrustTracker, fed what was really reused")
     p.add_argument("--ski-rental", action=argparse.BooleanOptionalAction, default=None,
                    help="serve a prefix locally once the RTT paid forwarding it exceeds a miss "
                         "(routing default: on)")

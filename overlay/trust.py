@@ -19,7 +19,9 @@ one of these rules; the result is clamped to [0, 1].
 
 (a) Claimed vs used cache (``observe_cache``). This node forwarded because the peer was
     estimated to hold ``claimed`` tokens of the prompt; the FINAL frame reports
-    ``cached`` tokens actually reused. With ``ratio = min(1, cached / claimed)``:
+    ``cached`` tokens actually reused, by the peer or by whoever it relayed the request
+    to (a peer is accountable for the outcome of what it attracts: a liar must not
+    escape by passing requests on). With ``ratio = min(1, cached / claimed)``:
 
     - ``ratio >= honor_ratio`` (0.9): honoured; ``t += honor_gain * (1 - t)`` (0.05:
       slow, 20 honoured claims to close ~64 % of the gap to 1);

@@ -23,7 +23,8 @@ from prefixmesh.overlay.trust import ForwardShareLimiter
 SYSTEM = "a long shared system prompt about routing requests to cached prefixes. " * 10
 
 
-async def _start(nursery, tmp_path, n, *, tps=(400.0,), ttl=60.0, refresh=20.0, backends=None):
+async def _start(nursery, tmp_path, n, *, tps=(400.0,), ttl=60.0, refresh=20.0, backends=None,
+                 options=None):
     nodes = []
     for i in range(n):
         overrides = {
@@ -35,7 +36,8 @@ async def _start(nursery, tmp_path, n, *, tps=(400.0,), ttl=60.0, refresh=20.0, 
         backend = backends[i] if backends else SimulatedBackend(prefill_tps=tps[i % len(tps)])
         node = Node(load_config(None, overrides),
                     NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
-                                heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                                heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0,
+                                **(options[i] if options else {})),
                     identity=Identity.generate(), backend=backend)
         await nursery.start(node.run)
         nodes.append(node)
@@ -101,6 +103,40 @@ def test_forwarding_trace_and_fallback(tmp_path):
                 assert a.infer.trust.record(b.identity.peer_id).failures == 1
                 assert a.infer.trust.record(c.identity.peer_id).failures == 1
             await _shutdown([a, b, c])
+
+    trio.run(main)
+
+
+def test_a_relaying_liar_is_charged_for_what_its_relay_delivered(tmp_path):
+    """D advertises all of a long prompt (the test-only lie-digest fault) and holds none of
+    it; B really holds its system part. A forwards to D for the long claim, D relays to B
+    (its best holder), B reuses only the system part: A charges the shortfall to D, its
+    next hop, although D did not serve. Otherwise a liar that relays what it attracts
+    would never lose trust."""
+    doc = "a long user document about lighthouses, storms, maps and distant islands. " * 12
+    prompt = (("system", SYSTEM), ("user", doc))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b, d = await _start(nursery, tmp_path, 3, options=[
+                {}, {}, {"fault": "lie-digest", "fault_prompts": (prompt,)}])
+            async with Client.connect(b.full_addrs()[0]) as cb:
+                await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
+            await _wait(lambda: _knows(a, b) and _knows(a, d) and _knows(d, b))
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                ans = await ca.ask(list(prompt), max_tokens=1)
+            pa, pb, pd = (n.identity.peer_id for n in (a, b, d))
+            hops = ans.final.hops
+            assert [(h.peer, h.action, h.next_peer) for h in hops[:2]] == [
+                (pa, "forward", pd), (pd, "forward", pb)], hops
+            assert ans.final.serving == pb
+            # B reused the system part only: well under 90 % of what D claimed
+            assert 0 < ans.final.cached_tokens < 0.9 * ans.final.prompt_tokens
+            rec = a.infer.trust.record(pd)
+            assert rec is not None and rec.misses == 1 and rec.honoured == 0
+            assert rec.trust < 0.8  # TrustConfig.initial: the miss was charged
+            assert a.infer.trust.record(pb) is None  # A never forwarded to B itself
+            await _shutdown([a, b, d])
 
     trio.run(main)
 

@@ -280,3 +280,27 @@ def test_routing_improvements_do_not_cost_latency_or_hits_on_a_skewed_workload()
     assert after["latency_s"]["mean"] <= before["latency_s"]["mean"]
     assert after["hit_ratio"] >= before["hit_ratio"]
     assert after["load_imbalance_requests"] <= before["load_imbalance_requests"]
+
+
+def test_trust_feedback_drives_the_nodes_trust_tracker():
+    """The simulator's routers keep the node's own TrustTracker (one brain): liars end
+    up with misses charged and lower trust than honest peers."""
+    from prefixmesh.overlay.trust import TrustTracker
+
+    wl = synthetic_workload(600, rate=4.0, n_docs=60, n_system=4, seed=1)
+    sim = Simulator(wl, SimConfig(nodes=8, policy="prefixmesh", liar_fraction=0.25, seed=2,
+                                  trust_feedback=True))
+    sim.run()
+    liars = {n.pid for n in sim.nodes if n.liar}
+    liar_trust, honest_trust, liar_misses = [], [], 0
+    for router in sim.nodes:
+        assert isinstance(router.trust, TrustTracker)
+        for peer in router.trust.peers():
+            rec = router.trust.record(peer)
+            (liar_trust if peer in liars else honest_trust).append(rec.trust)
+            liar_misses += rec.misses if peer in liars else 0
+    assert liar_trust and honest_trust and liar_misses > 0
+    assert sum(liar_trust) / len(liar_trust) < sum(honest_trust) / len(honest_trust)
+    # without feedback nobody keeps trust and every claim counts in full
+    blind = Simulator(wl, SimConfig(nodes=8, policy="prefixmesh", liar_fraction=0.25, seed=2))
+    assert all(n.trust is None for n in blind.nodes)
