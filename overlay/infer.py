@@ -442,7 +442,9 @@ class InferService:
                 return
         req = replace(req, tokens=tuple(tokens), messages=())
 
-        decision, hop_base, ctx = await self._decide(req, tenant)
+        decision, hop_base, ctx, carried = await self._decide(req, tenant)
+        if carried is not None:  # the holder list the next hop decides with (partitioned)
+            req = replace(req, holders=carried)
         targets: list[bytes] = []
         if decision.action == "forward" and decision.peer is not None:
             targets = [decision.peer, *decision.fallbacks]
@@ -468,8 +470,9 @@ class InferService:
         candidates: list[Candidate] = []
         all_peers: list[bytes] = []
         part = self.partition
+        carried = None
         if part is not None:
-            matches = await self._partition_matches(
+            matches, carried = await self._partition_matches(
                 req, chain, part, len(req.tokens) - min(local_matched, len(req.tokens)),
                 load.prefill_tps,
             )
@@ -567,44 +570,56 @@ class InferService:
             est_peer_s=_finite(decision.est_peer_s),
             decide_ms=(time.perf_counter() - t0) * 1000.0,
         )
-        return decision, hop_base, ctx
+        return decision, hop_base, ctx, carried
 
     async def _partition_matches(
         self, req: wire.Request, chain: list[bytes], part: PartitionGossip, unmatched: int,
         prefill_tps: float,
-    ) -> dict[bytes, int]:
-        """Holder -> matched blocks under partial replication: what the digest state knows
-        (``PartitionedDigest.known_matches``: our own partition index if we are a home,
-        else a cached answer), else (entry node only, when a lookup can pay at all) a
-        lookup to the first live home, then the second. Any failure means no candidates:
-        the request is decided as if no peer held it."""
+    ) -> tuple[dict[bytes, int], tuple[tuple[bytes, int], ...] | None]:
+        """Holder -> matched blocks under partial replication, and the holder list to carry
+        on to the next hop (None: leave the request's as it is).
+
+        Where it comes from, as in the simulator's ``_partition_matches``: our own
+        partition index if we are a home (``PartitionedDigest.known_matches``); else a
+        cached answer, else the list the previous hop carried (``Request.holders``), else
+        (entry node only, when a lookup can pay at all) a lookup to the first live home,
+        then the second. A router that is not a home carries what it decided with on to
+        the next hop, which then needs no lookup of its own to forward further. Any
+        failure means no candidates: the request is decided as if no peer held it."""
         if not chain:
-            return {}
+            return {}, None
         known, homes = part.pd.known_matches(req.ns, chain, part.members(), self.clock())
+        if self.me in homes:
+            self._count("partition_home_decisions")
+            return known, None
         if known is not None:
-            self._count("partition_home_decisions" if self.me in homes
-                        else "partition_lookup_cache_hits")
-            return known
+            self._count("partition_lookup_cache_hits")
+        elif req.holders:
+            self._count("partition_carried_decisions")
+            known = dict(req.holders)
+        if known is not None:
+            return known, _carry(known)
         if req.trace:  # forwarded in: the entry node already looked (as the simulator)
-            return {}
+            return {}, None
         live = [h for h in homes if self.heartbeat.is_up(h)]
         if not live:
             self._count("partition_no_live_home")
-            return {}
+            return {}, None
         rtt = self.heartbeat.rtt_s(live[0])
         # what a hit elsewhere could save at most: prefilling what we do not hold
         if not lookup_pays(unmatched, prefill_tps, rtt if rtt is not None else 0.005):
             self._count("partition_lookups_skipped")
-            return {}
+            return {}, None
         # the first live home, then (if it fails or times out) the second: a home that is
         # up by the heartbeat can still be wedged or just restarted without records
         for home in live[:2]:
             self._count("partition_lookups")
             answer = await part.lookup(home, req.ns, chain, self.settings.lookup_timeout_s)
             if answer is not None:
-                return {h.peer: h.blocks for h in answer}
+                known = {h.peer: h.blocks for h in answer}
+                return known, _carry(known)
             self._count("partition_lookups_failed")
-        return {}
+        return {}, None
 
     def _count(self, key: str) -> None:
         """A counter that exists only once it is used (partitioned mode's counters must
@@ -1124,6 +1139,13 @@ async def _set_on_exit(event: trio.Event):
         yield
     finally:
         event.set()
+
+
+def _carry(known: dict[bytes, int]) -> tuple[tuple[bytes, int], ...]:
+    """A holder list as it rides on a forwarded request: longest matches first, within the
+    wire limit (a lookup answer is already bounded the same way)."""
+    ranked = sorted(known.items(), key=lambda kv: (-kv[1], kv[0]))
+    return tuple((p, b) for p, b in ranked[: wire.MAX_CARRIED_HOLDERS] if b > 0)
 
 
 def _patch_ttft(final: wire.Final, me: bytes, ttft_ms: float) -> wire.Final:

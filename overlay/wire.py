@@ -33,6 +33,7 @@ subclass and the stream is dropped; nothing is truncated silently):
   (and per streamed text chunk), :data:`MAX_PROMPT_TOKENS` prompt token ids,
   :data:`MAX_CHUNK_TOKENS` token ids per TOKENS frame.
 * :data:`MAX_HOPS` entries in a route trace, in the visited list, and as hop budget.
+* :data:`MAX_CARRIED_HOLDERS` holders carried on a forwarded request (partitioned digests).
 * :data:`MAX_SHORT_STRING` characters for roles, codes, reasons; :data:`MAX_ERROR_CHARS`
   for error messages; :data:`MAX_ID_BYTES` for ids and credentials.
 * :data:`MAX_CBOR_DEPTH` nesting levels; CBOR tags, indefinite lengths, undefined and
@@ -127,6 +128,9 @@ MAX_PEERS_LISTED = 1024
 MAX_ADDRS = 16
 MAX_MAX_TOKENS = 32_768
 MAX_SUMMARY_HASH_BYTES = 32
+# the holder list a partitioned router carries on to its next hop (a home's lookup answer:
+# overlay/partition.py bounds an answer to the same 256 holders)
+MAX_CARRIED_HOLDERS = 256
 MAX_DEADLINE = 1e11  # Unix seconds (year ~5138): rejects inf and absurd values
 
 #: Error codes an ERROR frame may carry (anything else is a malformed frame).
@@ -235,6 +239,10 @@ class Request:
     visited: tuple[bytes, ...] = ()  # peers that already handled this request
     trace: tuple[Hop, ...] = ()  # hops so far (entry first)
     stream: bool = True
+    # partitioned digests: (peer, matched blocks) a router that is not a home of the
+    # prompt's partition decided with (a home's lookup answer), carried on so the next
+    # hop can decide with it too; unverified routing hints, like any lookup answer
+    holders: tuple[tuple[bytes, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -335,7 +343,7 @@ def _hop_obj(h: Hop) -> dict[str, Any]:
 def _to_obj(frame: Frame) -> dict[str, Any]:
     if isinstance(frame, Request):
         s = frame.sampling
-        return {
+        obj = {
             "t": "req",
             "id": frame.id,
             "ns": frame.ns,
@@ -349,6 +357,9 @@ def _to_obj(frame: Frame) -> dict[str, Any]:
             "tr": [_hop_obj(h) for h in frame.trace],
             "st": frame.stream,
         }
+        if frame.holders:  # omitted when empty: full-replication requests are unchanged
+            obj["ho"] = [[p, b] for p, b in frame.holders]
+        return obj
     if isinstance(frame, Tokens):
         return {"t": "tok", "x": frame.text, "ids": _pack_ids(frame.token_ids)}
     if isinstance(frame, Final):
@@ -609,6 +620,22 @@ def _hops(f: _Fields, key: str) -> tuple[Hop, ...]:
     return tuple(_hop_from(h, f"{f.what}.{key}[{i}]") for i, h in enumerate(f.list(key, MAX_HOPS)))
 
 
+def _holders(f: _Fields) -> tuple[tuple[bytes, int], ...]:
+    items = f.list("ho", MAX_CARRIED_HOLDERS)
+    if not items:
+        raise InvalidField("request.ho: an empty holder list is sent by omitting the key")
+    out = []
+    for i, item in enumerate(items):
+        pair = _list(item, f"request.ho[{i}]", 2)
+        if len(pair) != 2:
+            raise InvalidField(f"request.ho[{i}]: expected [peer, blocks]")
+        out.append((_bytes(pair[0], f"request.ho[{i}].peer", MAX_ID_BYTES),
+                    _int(pair[1], f"request.ho[{i}].blocks", 1, MAX_PROMPT_TOKENS)))
+    if len({p for p, _ in out}) != len(out):
+        raise InvalidField("request.ho: a peer is listed twice")
+    return tuple(out)
+
+
 def _pack_ids(ids) -> bytes:
     """Token ids as one byte string of u32 little-endian values: a 650-token prompt
     decodes ~10x faster than as a CBOR array of ints (no per-item scan)."""
@@ -632,9 +659,8 @@ def _from_obj(obj: Any) -> Frame:
     if not isinstance(t, str):
         raise UnknownFrameType(f"frame type {t!r} is not text")
     if t == "req":
-        f = _Fields(
-            obj, "request", ("t", "id", "ns", "cr", "msg", "tok", "s", "dl", "hb", "v", "tr", "st")
-        )
+        keys = ("t", "id", "ns", "cr", "msg", "tok", "s", "dl", "hb", "v", "tr", "st")
+        f = _Fields(obj, "request", (*keys, "ho") if "ho" in obj else keys)
         messages = []
         for i, m in enumerate(f.list("msg", MAX_MESSAGES)):
             pair = _list(m, f"request.msg[{i}]", 2)
@@ -673,6 +699,7 @@ def _from_obj(obj: Any) -> Frame:
             visited=visited,
             trace=_hops(f, "tr"),
             stream=f.bool("st"),
+            holders=_holders(f) if "ho" in obj else (),
         )
     if t == "tok":
         f = _Fields(obj, "tokens", ("t", "x", "ids"))

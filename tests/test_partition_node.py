@@ -14,6 +14,7 @@ enters at a home (which reads its own partition index, no lookup).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -465,6 +466,78 @@ def test_a_lookup_that_fails_at_the_first_home_is_asked_again_at_the_second(tmp_
             assert ans.final.hops[0].action == "forward", ans.final.hops
             assert entry.infer.stats.get("partition_lookups") == 2, entry.infer.stats
             assert entry.infer.stats.get("partition_lookups_failed") == 1, entry.infer.stats
+            for nd in nodes:
+                await nd.shutdown(grace_s=0.1)
+
+    trio.run(main)
+
+
+def test_a_forwarded_request_carries_the_lookup_answer_to_the_next_hop(tmp_path):
+    """A router that is not a home of the prompt's partition gets a forwarded request that
+    carries the previous hop's holder list (``Request.holders``, what a lookup answered):
+    it decides with that list, without a lookup of its own, and forwards on to the holder.
+    Control: the same forwarded request without the list is served by the router itself
+    (only entry nodes look up), as in the simulator."""
+    from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes  # noqa: PLC0415
+    from prefixmesh.node.client import Client  # noqa: PLC0415
+
+    async def forwarded(router, messages, holders):
+        """The request as an entry node that is not in the swarm would forward it."""
+        tenant = next(iter(router.tenants))
+        entry = Identity.generate().peer_id
+        rid = os.urandom(16)
+        deadline = time.time() + 30
+        tokens = await router.backend.tokenize(messages)
+        req = wire.Request(
+            id=rid, ns=tenant.ns_id, credential=tenant.credential(rid, deadline),
+            tokens=tuple(tokens), sampling=wire.Sampling(max_tokens=1), deadline=deadline,
+            hop_budget=2, visited=(entry,),
+            trace=(wire.Hop(peer=entry, action="forward", reason="test",
+                            next_peer=router.identity.peer_id),),
+            holders=holders)
+        async with Client.connect(router.full_addrs()[0]) as c:
+            stream = await c.host.open_stream(c.peer, wire.INFER_PROTOCOL, 5.0)
+            fs = FramedStream(stream, timeout_s=10.0)
+            await fs.send(req)
+            final = None
+            while not isinstance(frame := await fs.receive(), wire.End):
+                assert not isinstance(frame, wire.Error), frame
+                final = frame if isinstance(frame, wire.Final) else final
+            await fs.close()
+        return final
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes = await _partitioned_swarm(nursery, tmp_path, 5)
+            holder = nodes[0]
+            hid = holder.identity.peer_id
+            messages = [("system", SYSTEM), ("user", "x")]
+            async with Client.connect(holder.full_addrs()[0]) as c:
+                await c.ask(messages, max_tokens=1, hop_budget=0)
+            await _wait_for(lambda: len(holder.pd.streams) == 1)
+            (p,) = holder.pd.streams
+            homes = holder.pd.homes(p, holder.pgossip.members())
+            router = next(nd for nd in nodes if nd.identity.peer_id not in homes
+                          and nd is not holder)
+            tenant = next(iter(router.tenants))
+            tokens = await router.backend.tokenize(messages)
+            chain = chain_hashes(tenant.namespace_key, tokens, BLOCK_TOKENS)
+            home = next(nd for nd in nodes if nd.identity.peer_id in homes and nd is not holder)
+            await _wait_for(lambda: any(h.peer == hid for h in home.pd.lookup(p, tenant.ns_id, chain)))
+            holders = tuple((h.peer, h.blocks) for h in home.pd.lookup(p, tenant.ns_id, chain))
+
+            final = await forwarded(router, messages, holders)
+            assert final.serving == hid and final.cached_tokens > 0, final.hops
+            rid = router.identity.peer_id
+            assert [(h.peer, h.action) for h in final.hops[1:]] == [
+                (rid, "forward"), (hid, "serve")]
+            assert router.infer.stats.get("partition_carried_decisions") == 1
+            assert router.infer.stats.get("partition_lookups") is None, router.infer.stats
+
+            await trio.sleep(1.0)  # heartbeats report the holder idle again
+            final = await forwarded(router, messages, ())
+            assert final.serving == rid and final.cached_tokens == 0, final.hops
+            assert router.infer.stats.get("partition_carried_decisions") == 1
             for nd in nodes:
                 await nd.shutdown(grace_s=0.1)
 

@@ -50,6 +50,8 @@ requests = st.builds(
     visited=st.lists(ids, max_size=w.MAX_HOPS).map(tuple),
     trace=st.lists(hops, max_size=4).map(tuple),
     stream=st.booleans(),
+    holders=st.dictionaries(ids, st.integers(1, w.MAX_PROMPT_TOKENS), max_size=5).map(
+        lambda d: tuple(d.items())),
 )
 
 
@@ -305,5 +307,27 @@ def test_item_cap_refuses_item_floods_and_admits_the_largest_legitimate_frames()
         raise AssertionError("no PEERS reply fit a frame")
     hop = w.Hop(peer=b"p" * 38, action="forward", reason="r", next_peer=b"q" * 38)
     req = w.Request(id=b"i", ns=b"n", messages=tuple(w.Message("user", "x") for _ in range(w.MAX_MESSAGES)),
-                    trace=(hop,) * w.MAX_HOPS, visited=tuple(bytes([i]) * 38 for i in range(w.MAX_HOPS)))
+                    trace=(hop,) * w.MAX_HOPS, visited=tuple(bytes([i]) * 38 for i in range(w.MAX_HOPS)),
+                    holders=tuple((i.to_bytes(2, "big") * 19, 1) for i in range(w.MAX_CARRIED_HOLDERS)))
     assert w.decode_body(w.encode_frame(req)[4:]) == req
+
+
+def test_carried_holders_are_validated():
+    req = w.Request(id=b"i", ns=b"n", tokens=(1, 2), holders=((b"p" * 38, 3),))
+    obj = cbor2.loads(w.encode_frame(req)[4:])
+    assert obj["ho"] == [[b"p" * 38, 3]]
+    assert "ho" not in cbor2.loads(w.encode_frame(w.Request(id=b"i", ns=b"n", tokens=(1,)))[4:])
+
+    def bad(ho, error, match):
+        body = cbor2.dumps({**obj, "ho": ho}, canonical=True)
+        with pytest.raises(error, match=match):
+            w.decode_body(body)
+
+    bad([], w.InvalidField, "omitting the key")
+    bad([[b"p", 0]], w.LimitExceeded, "blocks")
+    bad([[b"p", 1], [b"p", 2]], w.InvalidField, "listed twice")
+    bad([[b"p"]], w.InvalidField, "expected \\[peer, blocks\\]")
+    bad([["p", 1]], w.InvalidField, "peer")
+    bad([[b"x" * (w.MAX_ID_BYTES + 1), 1]], w.LimitExceeded, "peer")
+    bad([[bytes([i % 256, i // 256]), 1] for i in range(w.MAX_CARRIED_HOLDERS + 1)],
+        w.LimitExceeded, "ho")
