@@ -912,7 +912,8 @@ def _wire_frames() -> list[Any]:
             trace=(hop,),
             stream=True,
         ),
-        w.Request(id=b"r2", ns=b"n" * 8, tokens=tuple(range(100)), deadline=NOW),
+        w.Request(id=b"r2", ns=b"n" * 8, tokens=tuple(range(100)), deadline=NOW,
+                  holders=((b"h" * 38, 4), (b"k" * 38, 2))),
         w.Tokens(text="Hello", token_ids=(9906, 11)),
         w.Final(
             id=b"r" * 16,
