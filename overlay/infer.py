@@ -627,12 +627,21 @@ class InferService:
         self.stats[key] = self.stats.get(key, 0) + 1
 
     async def _relay_only(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
-        """A namespace this node is not configured for: pass it to a peer that holds it."""
+        """A namespace this node is not configured for: pass it to a peer that holds it.
+
+        It cannot compute the namespace's chains (they are keyed by the tenant secret), so
+        it relays to peers estimated to hold anything in the namespace: from the full index,
+        or under partial replication from the partitions it homes and the holder list the
+        previous hop carried (``Request.holders``)."""
         visited = set(req.visited) | {self.me}
+        known = {p for p, _ in req.holders}
+        part = self.partition
+        if part is not None:
+            known |= part.pd.namespace_holders(req.ns)
         holders = [
             p
             for p in self.heartbeat.up_peers()
-            if p not in visited and req.ns in self.index.holdings(p)
+            if p not in visited and (p in known or self.index.holds_namespace(p, req.ns))
         ]
         if not holders:
             await self._finish_error(

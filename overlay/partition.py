@@ -475,6 +475,17 @@ class PartitionedDigest:
     def held_bytes(self) -> int:
         return sum(ae.held_bytes() for ae in self.streams.values())
 
+    def namespace_holders(self, ns: bytes) -> set[bytes]:
+        """Peers that some partition index we home estimates to hold a block in ``ns``
+        (ourselves excluded). A node that is not configured for ``ns`` cannot compute its
+        chains, hence not the partition of a request in it: this is what it can still
+        relay by. Sparse by design (we home about r/N of the partitions)."""
+        out: set[bytes] = set()
+        for index in self.indexes.values():
+            out.update(p for p in index.peers() if index.holds_namespace(p, ns))
+        out.discard(self.peer_id)
+        return out
+
 
 def lookup_pays(unmatched_tokens: int, prefill_tps: float, rtt_s: float) -> bool:
     """Whether a lookup can pay at all: it and the forward it may lead to cost two round

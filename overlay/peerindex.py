@@ -269,6 +269,11 @@ class PeerCacheIndex:
         """Every peer with a live estimate, sorted by id (deterministic)."""
         return sorted(self._estimates)
 
+    def holds_namespace(self, peer: bytes, ns: bytes) -> bool:
+        """Whether ``peer`` is estimated to hold any block in namespace ``ns`` (no copy:
+        what a node that cannot compute the namespace's hashes relays by)."""
+        return bool(self._held.get(peer, {}).get(ns))
+
     def holdings(self, peer: bytes) -> dict[bytes, frozenset[bytes]]:
         """A copy of what ``peer`` is estimated to hold: ns -> hashes."""
         return {ns: frozenset(hs) for ns, hs in self._held.get(peer, {}).items()}

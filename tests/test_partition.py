@@ -197,6 +197,22 @@ def test_removal_reaches_the_homes():
     assert net.lookup(router, chain) == {}
 
 
+def test_namespace_holders_are_what_the_homed_partitions_know():
+    net = Net(6)
+    origin = net.nodes[0]
+    chain = _chain(4)
+    origin.local_add_prefix(NS, chain, 0.0)
+    net.round(0.0)
+    homes = set(origin.homes(origin.partition(NS, chain), net.pids))
+    for nd in net.nodes:
+        expected = {origin.peer_id} if nd.peer_id in homes and nd is not origin else set()
+        assert nd.namespace_holders(NS) == expected
+        assert nd.namespace_holders(OTHER_NS) == set()
+    origin.local_remove_prefix(NS, chain, 1.0)
+    net.round(10.0)
+    assert all(nd.namespace_holders(NS) == set() for nd in net.nodes)
+
+
 def test_homes_answer_for_themselves_and_others():
     net = Net(3, replicas=3)  # everyone is a home
     chain = _chain(4)

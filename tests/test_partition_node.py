@@ -282,7 +282,7 @@ def test_daemon_passes_the_batching_knob_to_full_and_partition_streams(tmp_path)
                     "node.key_file": str(tmp_path / f"n{i}.key"), "digest.interval_s": 0.3,
                     "digest.min_record_interval_s": 5.0, **extra,
                 }
-                node = Node(load_config(None, overrides),
+                node = Node(load_config(None, overrides, text=texts[i] if texts else None),
                             NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i),
                             identity=Identity.generate(), backend=SimulatedBackend())
                 await nursery.start(node.run)
@@ -338,10 +338,10 @@ def test_push_streams_are_reused_and_reopened_after_the_home_closes_them():
 SYSTEM = "a long shared system prompt about routing requests to cached prefixes. " * 10
 
 
-async def _partitioned_swarm(nursery, tmp_path, n: int) -> list:
+async def _partitioned_swarm(nursery, tmp_path, n: int, texts=None) -> list:
     """``n`` in-process nodes (real libp2p, simulated engine), each bootstrapped to every
-    earlier one, ``[digest] partitions = 16, replicas = 2``; returns once every node sees
-    all the others up."""
+    earlier one, ``[digest] partitions = 16, replicas = 2`` (and node i's config file text
+    ``texts[i]``, e.g. tenants); returns once every node sees all the others up."""
     from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
     from prefixmesh.node.config import load_config  # noqa: PLC0415
     from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
@@ -354,7 +354,7 @@ async def _partitioned_swarm(nursery, tmp_path, n: int) -> list:
             "node.bootstrap": [nd.full_addrs()[0] for nd in nodes] or None,
             "digest.interval_s": 0.3, "digest.partitions": 16, "digest.replicas": 2,
         }
-        node = Node(load_config(None, overrides),
+        node = Node(load_config(None, overrides, text=texts[i] if texts else None),
                     NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
                                 heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
                     identity=Identity.generate(), backend=SimulatedBackend(prefill_tps=400.0))
@@ -538,6 +538,56 @@ def test_a_forwarded_request_carries_the_lookup_answer_to_the_next_hop(tmp_path)
             final = await forwarded(router, messages, ())
             assert final.serving == rid and final.cached_tokens == 0, final.hops
             assert router.infer.stats.get("partition_carried_decisions") == 1
+            for nd in nodes:
+                await nd.shutdown(grace_s=0.1)
+
+    trio.run(main)
+
+
+T1_SECRET = "partition-relay-test-secret-0123456789"
+
+
+def test_a_node_without_the_namespace_relays_to_a_holder_its_partitions_know(tmp_path):
+    """Partitioned digests leave the full index empty, so a node not configured for a
+    request's namespace (it cannot compute the namespace's chains) relays by what the
+    partitions it homes know: here it is a home of the prompt's partition, learns the
+    holder from the holder's push, and relays the request there."""
+    from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes  # noqa: PLC0415
+    from prefixmesh.node.client import Client  # noqa: PLC0415
+    from prefixmesh.node.config import load_config  # noqa: PLC0415
+
+    with_t1 = f'[tenants.public]\nvisibility = "public"\n[tenants.t1]\nsecret = "{T1_SECRET}"\n'
+    without = '[tenants.public]\nvisibility = "public"\n'
+    t1 = load_config(text=with_t1).tenant("t1")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes = await _partitioned_swarm(nursery, tmp_path, 5, [with_t1] * 4 + [without])
+            holder, relay = nodes[0], nodes[4]
+            ns_tenant = next(t for t in holder.tenants if t.name == "t1")
+            members = holder.pgossip.members()
+            # a prompt whose partition the relay node is a home of
+            for i in range(200):
+                # (the partition key is the 4th block: vary the start)
+                messages = [("system", f"Variant {i}. {SYSTEM}"), ("user", "question")]
+                tokens = await holder.backend.tokenize(messages)
+                chain = chain_hashes(ns_tenant.namespace_key, tokens, BLOCK_TOKENS)
+                p = holder.pd.partition(ns_tenant.ns_id, chain)
+                if relay.identity.peer_id in holder.pd.homes(p, members):
+                    break
+            else:
+                raise AssertionError("no prompt homed at the relay node")
+            async with Client.connect(holder.full_addrs()[0]) as c:
+                await c.ask(messages, tenant=t1, max_tokens=1, hop_budget=0)
+            hid = holder.identity.peer_id
+            await _wait_for(lambda: hid in relay.pd.namespace_holders(ns_tenant.ns_id))
+            assert relay.index.estimate(hid) is None or \
+                not relay.index.holds_namespace(hid, ns_tenant.ns_id)  # no full index
+            async with Client.connect(relay.full_addrs()[0]) as c:
+                ans = await c.ask(messages, tenant=t1, max_tokens=1)
+            assert ans.final.serving == hid and ans.final.cached_tokens > 0, ans.final.hops
+            assert ans.final.hops[0].peer == relay.identity.peer_id
+            assert ans.final.hops[0].reason.startswith("relay"), ans.final.hops
             for nd in nodes:
                 await nd.shutdown(grace_s=0.1)
 

@@ -267,6 +267,8 @@ def check_consistent(idx: PeerCacheIndex, ref: NaiveIndex) -> None:
     assert idx.peers() == sorted(ref.expiry)
     for p in ref.expiry:
         assert idx.holdings(p) == {ns: frozenset(s) for ns, s in ref.held[p].items()}
+        for ns in NSS:
+            assert idx.holds_namespace(p, ns) == bool(ref.held[p].get(ns))
         e = idx.estimate(p)
         assert e is not None and e.n_hashes == sum(map(len, ref.held[p].values()))
         assert e.expires_at == ref.expiry[p]
