@@ -282,7 +282,7 @@ def test_daemon_passes_the_batching_knob_to_full_and_partition_streams(tmp_path)
                     "node.key_file": str(tmp_path / f"n{i}.key"), "digest.interval_s": 0.3,
                     "digest.min_record_interval_s": 5.0, **extra,
                 }
-                node = Node(load_config(None, overrides, text=texts[i] if texts else None),
+                node = Node(load_config(None, overrides),
                             NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i),
                             identity=Identity.generate(), backend=SimulatedBackend())
                 await nursery.start(node.run)
