@@ -98,6 +98,7 @@ from prefixmesh.overlay.digest import LoadFigures
 from prefixmesh.overlay.identity import Identity
 from prefixmesh.overlay.partition import (
     HolderMatch,
+    OverBudget,
     PartitionConfig,
     PartitionedDigest,
     decode_ack,
@@ -635,7 +636,10 @@ class Simulator:
         pd = dst.pd
         if kind == _PUSH:
             p, raws = decode_push(data) if decode else value
-            entries, applied = pd.receive_push(src.pid, p, raws, self.now, self.all_pids)
+            try:
+                entries, applied = pd.receive_push(src.pid, p, raws, self.now, self.all_pids)
+            except OverBudget:  # as the node: unanswered, the origin resends later
+                return
             ack = encode_ack(p, entries)
             dst.bytes_sent += len(ack)
             self.m_gossip_msgs += 1

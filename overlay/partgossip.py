@@ -29,6 +29,8 @@ peer's rate bucket like a new stream.
 Members (whom partitions' homes are drawn from) are the peers the heartbeat reports up,
 plus this node. A push to a node that is not a home in *its* view of the members is
 refused (``NotAHome``): the stream is closed unanswered and the origin resends later.
+So is a push past the home's byte budgets across partitions (``OverBudget``; counted in
+``over_budget``).
 
 Lookups (:meth:`PartitionGossip.lookup`): a router that is not a home of a request's
 partition sends a home the chain (:func:`~.partition.encode_lookup`) and gets the holders
@@ -78,6 +80,7 @@ from .partition import (
     HolderMatch,
     LookupCache,
     NotAHome,
+    OverBudget,
     PartitionedDigest,
     PartitionMessageError,
     Push,
@@ -332,6 +335,9 @@ class PartitionGossip:
                     await self._answer_one(fs, peer, data)
         except NotAHome as exc:
             self.stats["refused"] += 1
+            log.debug("partition push refused: %s", exc)
+        except OverBudget as exc:
+            self.stats["over_budget"] += 1
             log.debug("partition push refused: %s", exc)
         except PartitionMessageError as exc:
             self.stats["malformed"] += 1

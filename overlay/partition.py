@@ -60,7 +60,12 @@ Limits
 = 1 MiB per push/ack/lookup message (a push carries at most one 64 KiB record budget in
 practice); every decoder is bounded (:func:`~.digest.loads_bounded`) and raises
 :class:`PartitionMessageError` only. A node holds at most ``P`` streams and ``P``
-indexes; each stream is bounded as any :class:`~.antientropy.AntiEntropy`.
+indexes; each stream is bounded as any :class:`~.antientropy.AntiEntropy`, and across
+the partitions it homes a node holds at most ``PartitionConfig.max_origin_bytes`` (2 MiB,
+what one origin may cost a full-replication node) of one remote origin's records and
+``max_held_bytes`` (256 MiB) in all, each exceeded by at most one push: a push beyond
+either budget is refused (:class:`OverBudget`) and resent later, so the home misses that
+origin's news until records expire (a miss, never a wrong answer).
 
 Pure code: time comes in as arguments; no trio, libp2p or llama imports.
 """
@@ -76,6 +81,7 @@ from dataclasses import dataclass
 import cbor2
 
 from .antientropy import (
+    MAX_ORIGIN_BYTES,
     AntiEntropy,
     AntiEntropyError,
     parse_record_list,
@@ -104,6 +110,7 @@ __all__ = [
     "PartitionConfig",
     "PartitionError",
     "NotAHome",
+    "OverBudget",
     "PartitionMessageError",
     "Push",
     "HolderMatch",
@@ -144,6 +151,11 @@ class NotAHome(PartitionError):
     """A push for a partition this node is not a home of."""
 
 
+class OverBudget(PartitionError):
+    """A push refused because the home already holds its byte budget (for the sender, or
+    in all): ``PartitionConfig.max_origin_bytes`` / ``max_held_bytes``."""
+
+
 class PartitionMessageError(PartitionError):
     """A push, acknowledgement, lookup or lookup answer that does not decode."""
 
@@ -151,13 +163,16 @@ class PartitionMessageError(PartitionError):
 @dataclass(frozen=True, slots=True)
 class PartitionConfig:
     """``n_partitions`` P, ``replicas`` r (homes per partition), how long a router keeps a
-    lookup answer, and when an unacknowledged push is sent again."""
+    lookup answer, when an unacknowledged push is sent again, and what a home holds of
+    other origins' records across all the partitions it homes (see Limits)."""
 
     n_partitions: int = 256
     replicas: int = 3
     key_depth: int = 4
     lookup_ttl_s: float = 2.0
     resend_after_s: float = 5.0
+    max_origin_bytes: int = MAX_ORIGIN_BYTES  # one remote origin, all partitions together
+    max_held_bytes: int = 256 * 1024 * 1024  # every remote origin, all partitions together
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_partitions <= MAX_PARTITIONS:
@@ -170,6 +185,10 @@ class PartitionConfig:
             raise ValueError("lookup_ttl_s must be finite and >= 0")
         if not (math.isfinite(self.resend_after_s) and self.resend_after_s > 0):
             raise ValueError("resend_after_s must be finite and > 0")
+        for name in ("max_origin_bytes", "max_held_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def partition_key(chain: Sequence[bytes], key_depth: int) -> bytes:
@@ -259,7 +278,13 @@ class PartitionedDigest:
         self._estimates: dict[bytes, tuple[float, LoadFigures]] = {}
         # lookup answers this node received as a router (both shells use this one)
         self.lookup_cache = LookupCache(config.lookup_ttl_s, config.key_depth)
-        self.stats = {"pushes": 0, "acks": 0, "lookups_answered": 0, "refused_pushes": 0}
+        self.stats = {"pushes": 0, "acks": 0, "lookups_answered": 0, "refused_pushes": 0,
+                      "over_budget_pushes": 0}
+        # bytes of remote origins' records held, per (partition, origin), per origin and in
+        # all: updated on every push, recomputed exactly on every tick (expiry)
+        self._pbytes: dict[tuple[int, bytes], int] = {}
+        self._obytes: dict[bytes, int] = {}
+        self.remote_bytes = 0
 
     # --- partitions ---------------------------------------------------------------------
 
@@ -330,7 +355,24 @@ class PartitionedDigest:
             for origin in ae.expire(now):
                 index.drop_peer(origin)
             index.expire(now)
+        self._recount()
         return issued
+
+    def _recount(self) -> None:
+        self._pbytes = {
+            (p, origin): n
+            for p, ae in self.streams.items()
+            for origin, n in ae.origin_bytes().items()
+            if origin != self.peer_id
+        }
+        self._obytes = {}
+        for (_, origin), n in self._pbytes.items():
+            self._obytes[origin] = self._obytes.get(origin, 0) + n
+        self.remote_bytes = sum(self._obytes.values())
+
+    def origin_held_bytes(self, origin: bytes) -> int:
+        """Bytes of ``origin``'s records this home holds, all partitions together."""
+        return self._obytes.get(origin, 0)
 
     # --- dissemination ------------------------------------------------------------------
 
@@ -380,16 +422,37 @@ class PartitionedDigest:
         if self.peer_id not in self.homes(p, nodes):
             self.stats["refused_pushes"] += 1
             raise NotAHome(f"not a home of partition {p}")
+        cfg = self.config
+        # Budgets across partitions: each stream alone is bounded like any AntiEntropy,
+        # but a node homes many partitions, and one origin could fill every one of them.
+        # Checked before applying, so a home holds at most one push (<= 1 MiB) beyond.
+        if self._obytes.get(sender, 0) >= cfg.max_origin_bytes:
+            self.stats["over_budget_pushes"] += 1
+            raise OverBudget(f"{self._obytes[sender]} bytes of this origin held "
+                             f"(budget {cfg.max_origin_bytes})")
+        if self.remote_bytes >= cfg.max_held_bytes:
+            self.stats["over_budget_pushes"] += 1
+            raise OverBudget(f"{self.remote_bytes} bytes of records held "
+                             f"(budget {cfg.max_held_bytes})")
         ae = self._stream(p, now)
         result = ae.receive(raws, now)
         index = self.indexes[p]
         applied = []
+        touched = {sender}
         for record in result.applied:
             if record.origin == self.peer_id:
                 continue
             index.apply(record, now)
             self._note_load(record.origin, record.expires_at, record.load)
             applied.append(record)
+            touched.add(record.origin)
+        for origin in touched - {self.peer_id}:
+            n = ae.bytes_of(origin)
+            delta = n - self._pbytes.get((p, origin), 0)
+            if delta:
+                self._pbytes[(p, origin)] = n
+                self._obytes[origin] = self._obytes.get(origin, 0) + delta
+                self.remote_bytes += delta
         version = ae.version_of(sender)
         return ({sender: version} if version is not None else {}), applied
 

@@ -19,6 +19,7 @@ from prefixmesh.overlay.partition import (
     HolderMatch,
     LookupCache,
     NotAHome,
+    OverBudget,
     PartitionConfig,
     PartitionedDigest,
     PartitionMessageError,
@@ -153,7 +154,8 @@ def test_partition_fingerprint_binds_partition_and_count():
     "kwargs",
     [{"n_partitions": 0}, {"n_partitions": 70000}, {"replicas": 0}, {"replicas": 17},
      {"key_depth": 0}, {"lookup_ttl_s": -1.0}, {"lookup_ttl_s": float("nan")},
-     {"resend_after_s": 0.0}],
+     {"resend_after_s": 0.0}, {"max_origin_bytes": 0}, {"max_held_bytes": True},
+     {"max_held_bytes": 1.5}],
 )  # fmt: skip
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -211,6 +213,57 @@ def test_namespace_holders_are_what_the_homed_partitions_know():
     origin.local_remove_prefix(NS, chain, 1.0)
     net.round(10.0)
     assert all(nd.namespace_holders(NS) == set() for nd in net.nodes)
+
+
+def test_a_home_holds_at_most_its_byte_budgets_across_partitions():
+    """One origin cannot fill every partition a node homes: past ``max_origin_bytes`` of
+    its records (all partitions together) its pushes are refused, other origins still get
+    in until ``max_held_bytes``; once records expire the budgets free up again."""
+    net = Net(4, replicas=4, max_origin_bytes=6000, max_held_bytes=10_000)
+    home, flooder, other, late = net.nodes
+    refused: list[tuple[PartitionedDigest, int]] = []
+
+    def deliver(origin: PartitionedDigest, now: float) -> int:
+        origin.tick(now)
+        largest = 0
+        for push in origin.pushes(now, net.pids, BUDGET):
+            if push.home != home.peer_id:
+                continue
+            largest = max(largest, sum(map(len, push.records)))
+            try:
+                entries, _ = home.receive_push(origin.peer_id, push.partition, push.records,
+                                               now, net.pids)
+            except OverBudget:
+                refused.append((origin, push.partition))
+                continue
+            origin.receive_ack(home.peer_id, push.partition, entries)
+        return largest
+
+    largest = 0
+    for i in range(40):  # a prefix every 6 s (past the 5 s batching: each is a record)
+        flooder.local_add_prefix(NS, _chain(1000 + i), 6.0 * i)
+        largest = max(largest, deliver(flooder, 6.0 * i))
+    assert refused and all(o is flooder for o, _ in refused)
+    assert 6000 <= home.origin_held_bytes(flooder.peer_id) < 6000 + largest
+    assert home.stats["over_budget_pushes"] == len(refused)
+    # another origin is still welcome, up to the total budget
+    for i in range(40):
+        other.local_add_prefix(NS, _chain(2000 + i), 240.0 + 6.0 * i)
+        largest = max(largest, deliver(other, 240.0 + 6.0 * i))
+    assert any(o is other for o, _ in refused)
+    assert 10_000 <= home.remote_bytes < 10_000 + largest
+    home.tick(480.0)  # the exact recount agrees with the running one
+    assert 10_000 <= home.remote_bytes < 10_000 + largest
+    n_refused = len(refused)
+    late.local_add_prefix(NS, _chain(3000), 480.0)
+    deliver(late, 480.0)
+    assert len(refused) == n_refused + 1 and home.origin_held_bytes(late.peer_id) == 0
+    # records expire (ttl 600 s, nothing refreshed): budgets free up, the late origin
+    # (whose refused push is resent) gets in
+    home.tick(1200.0)
+    assert home.remote_bytes == 0 and home.origin_held_bytes(flooder.peer_id) == 0
+    deliver(late, 1200.0)
+    assert home.origin_held_bytes(late.peer_id) > 0
 
 
 def test_homes_answer_for_themselves_and_others():

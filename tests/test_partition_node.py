@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,19 @@ def test_malformed_messages_and_pushes_to_a_non_home_are_counted_and_serving_goe
             assert pg_a.stats["acks"] == 1, pg_a.stats
             q = pg_a.pd.partition(NS, mine)
             assert pg_h.pd.indexes[q].longest_matches(NS, mine) == {a_id.peer_id: len(mine)}
+
+            # past its byte budget for a, h refuses a's next push: closed unanswered,
+            # counted, nothing kept, and h goes on answering
+            pg_h.pd.config = replace(CONFIG, max_origin_bytes=1)
+            more = _chain_homed_at(pg_a, h_id.peer_id, 5)
+            pg_a.pd.local_add_prefix(NS, more, time.time())
+            await pg_a.round()
+            # (refused on the kept-open stream, then once more on a fresh one)
+            await _wait_for(lambda: pg_h.stats["over_budget"] >= 1)
+            assert pg_a.stats["pushes_failed"] == 2, pg_a.stats
+            r = pg_a.pd.partition(NS, more)
+            assert r not in pg_h.pd.indexes or pg_h.pd.indexes[r].longest_matches(NS, more) == {}
+            assert await pg_a.lookup(h_id.peer_id, NS, mine, timeout_s=5.0) is not None
             assert pg_h.stats["answers_crashed"] == 0
 
     trio.run(main)
