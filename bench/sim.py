@@ -604,11 +604,10 @@ class Simulator:
         if not chain:
             return {}
         pd = node.pd
-        known, homes = pd.known_matches(self.ns, chain, self.all_pids, self.now)
+        known, homes = pd.known_matches(self.ns, chain, self.all_pids, self.now,
+                                        carried=sr.answer)
         if node.pid in homes:
             return known
-        if sr.answer is not None:
-            known = sr.answer
         if known is None:
             if sr.hops or sr.looked_up:
                 return {}

@@ -579,25 +579,23 @@ class InferService:
         """Holder -> matched blocks under partial replication, and the holder list to carry
         on to the next hop (None: leave the request's as it is).
 
-        Where it comes from, as in the simulator's ``_partition_matches``: our own
-        partition index if we are a home (``PartitionedDigest.known_matches``); else a
-        cached answer, else the list the previous hop carried (``Request.holders``), else
+        Where it comes from (``PartitionedDigest.known_matches``, which the simulator's
+        ``_partition_matches`` calls too): our own partition index if we are a home; else
+        the list the previous hop carried (``Request.holders``), else a cached answer, else
         (entry node only, when a lookup can pay at all) a lookup to the first live home,
         then the second. A router that is not a home carries what it decided with on to
         the next hop, which then needs no lookup of its own to forward further. Any
         failure means no candidates: the request is decided as if no peer held it."""
         if not chain:
             return {}, None
-        known, homes = part.pd.known_matches(req.ns, chain, part.members(), self.clock())
+        known, homes = part.pd.known_matches(req.ns, chain, part.members(), self.clock(),
+                                             carried=dict(req.holders) if req.holders else None)
         if self.me in homes:
             self._count("partition_home_decisions")
             return known, None
         if known is not None:
-            self._count("partition_lookup_cache_hits")
-        elif req.holders:
-            self._count("partition_carried_decisions")
-            known = dict(req.holders)
-        if known is not None:
+            self._count("partition_carried_decisions" if req.holders
+                        else "partition_lookup_cache_hits")
             return known, _carry(known)
         if req.trace:  # forwarded in: the entry node already looked (as the simulator)
             return {}, None

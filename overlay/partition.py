@@ -510,16 +510,21 @@ class PartitionedDigest:
         self.lookup_cache.put(ns, chain, holders, now)
 
     def known_matches(
-        self, ns: bytes, chain: Sequence[bytes], nodes: Iterable[bytes], now: float
+        self, ns: bytes, chain: Sequence[bytes], nodes: Iterable[bytes], now: float,
+        carried: Mapping[bytes, int] | None = None,
     ) -> tuple[dict[bytes, int] | None, list[bytes]]:
         """What a router knows without asking: (holder -> matched blocks, or None when a
         lookup is needed; the homes of the chain's partition, best first). Matches come
-        from our own partition index when we are a home, else from a cached answer."""
+        from our own partition index when we are a home, else from the holder list the
+        request carries from the previous hop (``carried``: decided for this very chain),
+        else from a cached answer."""
         p = self.partition(ns, chain)
         homes = self.homes(p, nodes)
         if self.peer_id in homes:
             index = self.indexes.get(p)
             return (dict(index.longest_matches(ns, chain)) if index is not None else {}), homes
+        if carried is not None:
+            return dict(carried), homes
         answer = self.lookup_cache.get(ns, chain, now)
         if answer is None:
             return None, homes

@@ -266,6 +266,30 @@ def test_a_home_holds_at_most_its_byte_budgets_across_partitions():
     assert home.origin_held_bytes(late.peer_id) > 0
 
 
+def test_known_matches_prefers_the_home_index_then_the_carried_list_then_the_cache():
+    net = Net(6)
+    origin = net.nodes[0]
+    chain = _chain(5)
+    origin.local_add_prefix(NS, chain, 0.0)
+    net.round(0.0)
+    p = origin.partition(NS, chain)
+    homes = origin.homes(p, net.pids)
+    home = net.by_pid[homes[0]] if homes[0] != origin.peer_id else net.by_pid[homes[1]]
+    router = next(nd for nd in net.nodes if nd.peer_id not in homes)
+    carried = {b"c" * 38: 3}
+    # a home reads its own index, whatever the request carries
+    assert home.known_matches(NS, chain, net.pids, 1.0, carried=carried)[0] == \
+        {origin.peer_id: 8}
+    # a router with nothing cached: a lookup is needed, unless the request carries a list
+    assert router.known_matches(NS, chain, net.pids, 1.0) == (None, homes)
+    assert router.known_matches(NS, chain, net.pids, 1.0, carried=carried)[0] == carried
+    # with a cached answer: the carried list (decided for this very request) still wins
+    load = LoadFigures(0, 0, 100.0, 10.0)
+    router.take_answer(NS, chain, [HolderMatch(origin.peer_id, 8, load, 600.0)], 1.0)
+    assert router.known_matches(NS, chain, net.pids, 1.5)[0] == {origin.peer_id: 8}
+    assert router.known_matches(NS, chain, net.pids, 1.5, carried=carried)[0] == carried
+
+
 def test_homes_answer_for_themselves_and_others():
     net = Net(3, replicas=3)  # everyone is a home
     chain = _chain(4)
