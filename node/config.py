@@ -509,6 +509,9 @@ class LimitsSection:
     max_peers_per_subnet: int = _f(4, check=_int(0, 1 << 16),
                                    doc="peers per IPv4 /24 or IPv6 /48 in one routing "
                                        "decision (0 = no cap)")
+    max_inbound_per_subnet: int = _f(32, check=_int(0, 1 << 16),
+                                     doc="peers per IPv4 /24 or IPv6 /48 connected to us "
+                                         "inbound (loopback exempt; 0 = no cap)")
     digest_exchange_rate: float = _f(4.0, check=_float(0.0, 1e6, lo_open=True),
                                      doc="digest exchanges/s answered for one peer (refill)")
     digest_exchange_burst: float = _f(8.0, check=_float(1.0, 1e7),

@@ -89,7 +89,12 @@ from prefixmesh.overlay.partgossip import PartitionGossip
 from prefixmesh.overlay.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.peerindex import PeerCacheIndex
 from prefixmesh.overlay.routing import RoutingConfig, make_policy
-from prefixmesh.overlay.trust import ForwardShareLimiter, SpotChecker, TrustTracker
+from prefixmesh.overlay.trust import (
+    ForwardShareLimiter,
+    InboundSubnetCap,
+    SpotChecker,
+    TrustTracker,
+)
 
 from .backend import Backend, BackendError, LlamaBackend, SimulatedBackend
 from .http_gateway import serve_node_http
@@ -155,7 +160,11 @@ class Node:
         self.backend = backend or _make_backend(config, self.options)
         self.model_fp = self.backend.model_fingerprint
         self.tenants = TenantRegistry.from_specs(config.tenant_specs(), self.model_fp)
-        self.host = OverlayHost(self.identity, [config.node.listen])
+        n_inbound = config.limits.max_inbound_per_subnet
+        self.host = OverlayHost(
+            self.identity, [config.node.listen],
+            inbound_cap=InboundSubnetCap(n_inbound) if n_inbound > 0 else None,
+        )
         self.index = PeerCacheIndex()
         self.directory = PeerDirectory(self.identity.peer_id)
         self.heartbeat = Heartbeat(
@@ -166,6 +175,7 @@ class Node:
             timeout_s=self.options.heartbeat_timeout_s,
         )
         self.directory.on_new_peer = self.heartbeat.watch
+        self.host.peer_is_down = self.heartbeat.is_down
         rc = config.routing
         self.policy = make_policy(
             rc.policy,
@@ -494,6 +504,8 @@ class Node:
             for k in ("records_applied", "duplicates", "gaps", "records_issued", "bytes_issued"):
                 out[f"ae_{k}"] = int(self.ae.stats[k])
         out["heartbeat_pings_answered"] = self.heartbeat.pings_answered
+        if self.host.inbound_cap is not None:
+            out["inbound_refused"] = self.host.inbound_refused
         trust = self.infer.trust
         if trust is not None:  # observed peers' trust, per mille (overlay/trust.py)
             mono = time.monotonic()

@@ -90,6 +90,11 @@ class Heartbeat:
 
     # --- queries ---------------------------------------------------------------------
 
+    def is_down(self, peer: bytes) -> bool:
+        """Seen, then lost (missed PONGs): not merely not yet answered."""
+        h = self.health.get(peer)
+        return h is not None and h.down_since is not None
+
     def is_up(self, peer: bytes) -> bool:
         h = self.health.get(peer)
         return h is not None and h.up

@@ -25,7 +25,12 @@ Addresses
 
 Connections
     ``ConnectionConfig(max_connections_per_peer=1)``: besides bounding resources, it
-    removes a fixed ~250 ms happy-eyeballs wait from every connect.
+    removes a fixed ~250 ms happy-eyeballs wait from every connect. With an
+    ``inbound_cap`` (:class:`~.trust.InboundSubnetCap`), a connection a peer dialled to us
+    from a subnet that already holds its share of our inbound connections is closed as soon
+    as libp2p registers it (a swarm notifee; counted in :attr:`OverlayHost.inbound_refused`),
+    unless a counted peer of that subnet is stale (no live connection, or
+    :attr:`OverlayHost.peer_is_down`): that one is disconnected and its slot reused.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import INotifee
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
@@ -151,6 +157,63 @@ def _lone_exception(group: BaseExceptionGroup) -> BaseException | None:
     return exc
 
 
+def _remote_multiaddr(conn) -> str:
+    """``/ip4|ip6/<ip>/tcp/<port>`` of a connection's remote end, or "" if unknown."""
+    try:
+        got = conn.muxed_conn.get_remote_address()
+    except Exception:  # a connection closing under us
+        return ""
+    if not got:
+        return ""
+    host, port = got[0], got[1]
+    return f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{port}"
+
+
+class _InboundGate(INotifee):
+    """Applies :attr:`OverlayHost.inbound_cap` to connections peers dial to us."""
+
+    def __init__(self, host: OverlayHost) -> None:
+        self.host = host
+
+    async def connected(self, network, conn) -> None:
+        if str(getattr(conn, "direction", "")) != "inbound":
+            return
+        peer = conn.muxed_conn.peer_id.to_bytes()
+        host = self.host
+
+        def is_stale(p: bytes) -> bool:
+            return not network.get_connections(ID(p)) or host.peer_is_down(p)
+
+        admitted, evicted = host.inbound_cap.admit(peer, _remote_multiaddr(conn), is_stale)
+        for p in evicted:  # their slots went to the newcomer: close what is left of them
+            with contextlib.suppress(Exception):
+                await host.disconnect(p)
+        if admitted:
+            return
+        host.inbound_refused += 1
+        log.info("inbound connection from %s refused: its subnet holds its share",
+                 peer_id_to_b58(peer))
+        with contextlib.suppress(Exception):
+            await conn.close()
+
+    async def disconnected(self, network, conn) -> None:
+        peer_id = conn.muxed_conn.peer_id
+        if not network.get_connections(peer_id):  # its last connection went
+            self.host.inbound_cap.release(peer_id.to_bytes())
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
+
 class OverlayHost:
     """A py-libp2p host with our security, identity and timeout policy."""
 
@@ -161,6 +224,7 @@ class OverlayHost:
         *,
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         stream_timeout_s: float = STREAM_TIMEOUT_S,
+        inbound_cap=None,
     ):
         self.identity = identity
         self.peer_id: bytes = identity.peer_id
@@ -190,6 +254,13 @@ class OverlayHost:
         self._refilling: set[tuple[bytes, str]] = set()
         self.pool_hits = 0
         self.pool_misses = 0
+        self.inbound_cap = inbound_cap
+        self.inbound_refused = 0
+        # set by the daemon to the heartbeat's verdict: a down peer's inbound slot may be
+        # reclaimed (the transport may not notice a dead connection for a long time)
+        self.peer_is_down: Callable[[bytes], bool] = lambda peer: False
+        if inbound_cap is not None:
+            self.libp2p.get_network().register_notifee(_InboundGate(self))
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -246,15 +317,9 @@ class OverlayHost:
         except Exception:  # an id the swarm cannot even parse: no live connection
             return out
         for conn in conns:
-            try:
-                got = conn.muxed_conn.get_remote_address()
-            except Exception:  # a connection closing under us
-                continue
-            if not got:
-                continue
-            host, port = got[0], got[1]
-            proto = "ip6" if ":" in host else "ip4"
-            out.append(f"/{proto}/{host}/tcp/{port}")
+            addr = _remote_multiaddr(conn)
+            if addr:
+                out.append(addr)
         return out
 
     def connected_peers(self) -> list[bytes]:

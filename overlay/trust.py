@@ -127,6 +127,14 @@ a peer with no usable address goes to one shared ``"none"`` bucket. Loopback add
 are exempt by default (local test clusters). This bounds what one cheap address block
 can contribute; it does not stop an attacker with many subnets.
 
+InboundSubnetCap
+----------------
+The same buckets for connections: at most ``max_per_subnet`` (32) peers per subnet may be
+connected to us by their own dial; the host closes a connection past that as libp2p
+registers it. A dead connection can linger unnoticed by the transport, so a full bucket
+first gives up the slots of peers the caller calls stale (no live connection, or down by
+the heartbeat). Our own dials are not counted.
+
 PeerRateLimiter
 ---------------
 Per-peer token buckets for input hardening (request rate on ``/prefixmesh/infer``,
@@ -181,6 +189,7 @@ __all__ = [
     "MISMATCH",
     "DRIFT",
     "SubnetLimiter",
+    "InboundSubnetCap",
     "subnet_of_multiaddr",
     "PeerRateLimiter",
 ]
@@ -754,6 +763,68 @@ class SubnetLimiter:
                 used.update(buckets)
                 kept.append(item)
         return kept
+
+
+class InboundSubnetCap:
+    """At most ``max_per_subnet`` peers connected to us *inbound* (they dialled us) per
+    /24 (IPv4) or /48 (IPv6), by the address the transport saw: one cheap address block
+    cannot fill a node's connections (an eclipse needs many). Buckets come from
+    :meth:`SubnetLimiter.subnets` (loopback exempt by default; an address we cannot read
+    goes to one shared ``"none"`` bucket). Connections we dial ourselves are not counted:
+    we chose those peers.
+
+    ``admit(peer, addr, is_stale)`` is ``(True, evicted)`` when the peer counts in its
+    bucket (it had room, the peer is already counted, or the address is exempt), else
+    ``(False, [])``. A dead connection may linger unnoticed by the transport, so a full
+    bucket is first purged of the peers ``is_stale`` names (the caller: no live connection,
+    or the heartbeat says down); they are returned so the caller can close what is left
+    of their connections. ``release(peer)`` when a counted peer's last connection closes.
+    Invariant (property-tested): no bucket ever counts more than ``max_per_subnet``
+    peers, and a released or evicted peer frees its slot. Memory: one entry per counted
+    peer.
+    """
+
+    def __init__(self, max_per_subnet: int = 32, *, prefix_v4: int = 24, prefix_v6: int = 48,
+                 exempt_loopback: bool = True) -> None:
+        self._buckets = SubnetLimiter(max_per_subnet, prefix_v4, prefix_v6, exempt_loopback)
+        self.max_per_subnet = max_per_subnet
+        self._peer_bucket: dict[bytes, str] = {}
+        self._members: dict[str, set[bytes]] = {}
+        self.refused = 0
+
+    def admit(
+        self, peer: bytes, addr: str, is_stale: Callable[[bytes], bool] = lambda p: False
+    ) -> tuple[bool, list[bytes]]:
+        if peer in self._peer_bucket:
+            return True, []
+        buckets = self._buckets.subnets([addr])
+        if not buckets:
+            return True, []  # exempt (loopback)
+        (bucket,) = buckets
+        members = self._members.setdefault(bucket, set())
+        evicted: list[bytes] = []
+        if len(members) >= self.max_per_subnet:
+            evicted = sorted(p for p in members if is_stale(p))
+            for p in evicted:
+                self.release(p)
+            members = self._members.setdefault(bucket, set())
+        if len(members) >= self.max_per_subnet:
+            self.refused += 1
+            return False, evicted
+        self._peer_bucket[peer] = bucket
+        members.add(peer)
+        return True, evicted
+
+    def release(self, peer: bytes) -> None:
+        bucket = self._peer_bucket.pop(peer, None)
+        if bucket is not None:
+            members = self._members[bucket]
+            members.discard(peer)
+            if not members:
+                del self._members[bucket]
+
+    def counts(self) -> dict[str, int]:
+        return {b: len(m) for b, m in self._members.items()}
 
 
 # ---------------------------------------------------------------------------- rate limits

@@ -377,7 +377,7 @@ def test_http_keys_bind_api_keys_to_tenants_and_are_redacted():
 def test_limits_defaults_and_values(tmp_path):
     lim = load_config().limits
     assert (lim.peer_request_rate, lim.peer_request_burst) == (50.0, 100.0)
-    assert lim.max_peers_per_subnet == 4
+    assert lim.max_peers_per_subnet == 4 and lim.max_inbound_per_subnet == 32
     assert (lim.digest_exchange_rate, lim.digest_exchange_burst) == (4.0, 8.0)
     # the gossip defaults are the config defaults
     import inspect
@@ -389,8 +389,9 @@ def test_limits_defaults_and_values(tmp_path):
     assert params["exchange_burst"].default == lim.digest_exchange_burst
     cfg = load_config(write(tmp_path, "[limits]\npeer_request_rate = 5\npeer_request_burst = 1\n"
                                       "max_peers_per_subnet = 0\ndigest_exchange_rate = 0.5\n"
-                                      "digest_exchange_burst = 2.5\n"))
+                                      "digest_exchange_burst = 2.5\nmax_inbound_per_subnet = 0\n"))
     lim = cfg.limits
+    assert lim.max_inbound_per_subnet == 0
     assert lim.peer_request_rate == 5.0 and isinstance(lim.peer_request_rate, float)
     assert lim.peer_request_burst == 1.0 and lim.max_peers_per_subnet == 0
     assert (lim.digest_exchange_rate, lim.digest_exchange_burst) == (0.5, 2.5)
@@ -410,6 +411,7 @@ def test_limits_defaults_and_values(tmp_path):
                                       "boolean"),
         ("max_peers_per_subnet = -1", "[limits].max_peers_per_subnet: -1 is out of range"),
         ("max_peers_per_subnet = 2.0", "[limits].max_peers_per_subnet: must be an integer"),
+        ("max_inbound_per_subnet = -2", "[limits].max_inbound_per_subnet: -2 is out of range"),
         ("digest_exchange_rate = 0.0", "[limits].digest_exchange_rate: 0.0 is out of range"),
         ("digest_exchange_burst = 0", "[limits].digest_exchange_burst: 0 is out of range"),
         ("digest_exchange_burst = [6]", "[limits].digest_exchange_burst: must be a number, not "
@@ -431,8 +433,8 @@ def test_limits_print_config_round_trips(tmp_path):
     printed = config_to_toml(cfg)
     doc = tomllib.loads(printed)
     assert doc["limits"] == {"peer_request_rate": 7.5, "peer_request_burst": 100.0,
-                             "max_peers_per_subnet": 0, "digest_exchange_rate": 4.0,
-                             "digest_exchange_burst": 9.0}
+                             "max_peers_per_subnet": 0, "max_inbound_per_subnet": 32,
+                             "digest_exchange_rate": 4.0, "digest_exchange_burst": 9.0}
     assert "max_peers_per_subnet = 0  # peers per IPv4 /24" in printed
     assert load_config(write(tmp_path, printed, "printed.toml")) == cfg
 

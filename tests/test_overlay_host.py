@@ -3,6 +3,7 @@ real libp2p over loopback)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -130,5 +131,66 @@ def test_benchmark_link_delay_delays_each_frame_in_order():
         assert got[0][1] - t0 >= 0.3
         with pytest.raises(ValueError):
             host_mod.set_link_delay(-1.0)
+
+    trio.run(main)
+
+
+def test_inbound_subnet_cap_closes_connections_past_a_subnets_share():
+    """H admits one inbound peer per subnet (loopback counted here): A's connection stays,
+    B's (same 127.0.0.0/24) is closed as soon as it is registered; H's own dial to B is
+    outbound and not counted; once A is down, B's dial reclaims A's slot."""
+    from prefixmesh.overlay.trust import InboundSubnetCap  # noqa: PLC0415
+
+    async def echo(stream):
+        fs = FramedStream(stream)
+        frame = await fs.receive(timeout_s=10)
+        if frame is not None:
+            await fs.send(wire.Pong(frame.nonce))
+        await fs.close()
+
+    async def ping(src, dst, nonce) -> bool:
+        try:
+            fs = FramedStream(await src.open_stream(dst.peer_id, "/test/echo", 2), timeout_s=2)
+            await fs.send(wire.Ping(nonce))
+            return await fs.receive() == wire.Pong(nonce)
+        except Exception:
+            return False
+
+    async def wait(predicate, timeout_s=5.0):
+        with trio.fail_after(timeout_s):
+            while not predicate():
+                await trio.sleep(0.02)
+
+    async def main():
+        cap = InboundSubnetCap(1, exempt_loopback=False)
+        h = OverlayHost(Identity.generate(), inbound_cap=cap)
+        a, b = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+        h.set_handler("/test/echo", echo)
+        b.set_handler("/test/echo", echo)
+        async with h.run(), b.run():
+            async with a.run():
+                await a.connect(h.peer_id, h.listen_addrs(), 5)
+                assert await ping(a, h, 1)
+                assert cap.counts() == {"127.0.0.0/24": 1}
+                with contextlib.suppress(Exception):
+                    await b.connect(h.peer_id, h.listen_addrs(), 5)
+                await wait(lambda: h.inbound_refused == 1 and not h.is_connected(b.peer_id))
+                assert cap.counts() == {"127.0.0.0/24": 1}
+                assert await ping(a, h, 2)  # A is unaffected
+                # our own dial is ours to choose: not counted, not refused
+                await h.connect(b.peer_id, b.listen_addrs(), 5)
+                assert await ping(h, b, 3)
+                await h.disconnect(b.peer_id)
+            # A left, but its connection lingers at H until the heartbeat calls it down:
+            # then B's dial reclaims A's slot
+            with contextlib.suppress(Exception):
+                await b.connect(h.peer_id, h.listen_addrs(), 5)
+            await wait(lambda: h.inbound_refused == 2)
+            h.peer_is_down = lambda p: p == a.peer_id
+            await wait(lambda: not h.is_connected(b.peer_id))
+            await b.connect(h.peer_id, h.listen_addrs(), 5)
+            assert await ping(b, h, 4)
+            assert cap.counts() == {"127.0.0.0/24": 1} and h.inbound_refused == 2
+            await wait(lambda: not h.is_connected(a.peer_id))  # the stale one was closed
 
     trio.run(main)

@@ -376,6 +376,23 @@ def test_per_peer_request_rate_limit(tmp_path):
     trio.run(main)
 
 
+def test_inbound_subnet_cap_is_wired_from_the_config(tmp_path):
+    """[limits] max_inbound_per_subnet reaches the host's InboundSubnetCap (0: none), and
+    the host reclaims a slot from a peer the heartbeat calls down (test_overlay_host.py
+    shows the cap itself on real connections)."""
+    def node(n: int) -> Node:
+        cfg = load_config(None, {"node.cache_dir": str(tmp_path / f"c{n}"), "node.mdns": False,
+                                 "node.key_file": str(tmp_path / f"k{n}"),
+                                 "limits.max_inbound_per_subnet": n})
+        return Node(cfg, NodeOptions(backend="sim", dht=False, print_addrs=False),
+                    identity=Identity.generate(), backend=SimulatedBackend())
+
+    capped, open_ = node(3), node(0)
+    assert capped.host.inbound_cap.max_per_subnet == 3 and open_.host.inbound_cap is None
+    assert capped.host.peer_is_down == capped.heartbeat.is_down
+    assert "inbound_refused" in capped.stats() and "inbound_refused" not in open_.stats()
+
+
 def test_subnet_limit_and_router_memory_are_wired(tmp_path):
     """Candidates are capped per subnet by the address of the live connection (loopback
     is exempt by default; the test turns the exemption off), and every decision goes

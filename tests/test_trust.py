@@ -15,6 +15,7 @@ from prefixmesh.overlay.trust import (
     MATCH,
     MISMATCH,
     ForwardShareLimiter,
+    InboundSubnetCap,
     InvalidObservation,
     InvalidTrustConfig,
     SpotChecker,
@@ -557,3 +558,63 @@ def test_convincing_peer_is_capped_by_share_limiter():
         window = forwards[max(0, j - 99) : j + 1]
         assert window.count(liar) / len(window) <= 0.5
     assert forwards[-100:].count(liar) == 50
+
+
+_ADDRS = ["/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.9/tcp/2", "/ip4/10.0.1.5/tcp/3",
+          "/ip6/2001:db8:1::1/tcp/4", "/ip4/127.0.0.1/tcp/5", "/garbage"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3),
+       st.lists(st.tuples(st.sampled_from(["admit", "release"]), st.integers(0, 9),
+                          st.sampled_from(_ADDRS), st.frozensets(st.integers(0, 9))),
+                max_size=60))  # fmt: skip
+def test_inbound_subnet_cap_never_overfills_a_subnet(cap_n, ops):
+    cap = InboundSubnetCap(cap_n)
+    limiter = SubnetLimiter(cap_n)
+    model: dict[bytes, str] = {}  # counted peer -> bucket
+    for op, i, addr, stale in ops:
+        peer = bytes([i])
+        if op == "release":
+            cap.release(peer)
+            model.pop(peer, None)
+        else:
+            stale_ids = {bytes([j]) for j in stale}
+            ok, evicted = cap.admit(peer, addr, lambda p, s=stale_ids: p in s)
+            buckets = limiter.subnets([addr])
+            if peer in model or not buckets:
+                assert ok and evicted == []
+            else:
+                (bucket,) = buckets
+                members = {p for p, b in model.items() if b == bucket}
+                if len(members) >= cap_n:  # full: the stale ones go first
+                    assert set(evicted) == members & stale_ids
+                    for p in evicted:
+                        del model[p]
+                    members -= set(evicted)
+                else:
+                    assert evicted == []
+                assert ok == (len(members) < cap_n)
+                if ok:
+                    model[peer] = bucket
+        counts = cap.counts()
+        assert all(0 < n <= cap_n for n in counts.values())
+        expected: dict[str, int] = {}
+        for b in model.values():
+            expected[b] = expected.get(b, 0) + 1
+        assert counts == expected
+
+
+def test_inbound_subnet_cap_buckets():
+    cap = InboundSubnetCap(1)
+    assert cap.admit(b"a", "/ip4/10.0.0.1/tcp/1") == (True, [])
+    assert cap.admit(b"b", "/ip4/10.0.0.200/tcp/1") == (False, [])  # same /24
+    assert cap.admit(b"c", "/ip4/10.0.1.1/tcp/1") == (True, [])
+    assert cap.admit(b"d", "/ip4/127.0.0.1/tcp/1") == (True, [])  # loopback exempt
+    assert cap.admit(b"e", "") == (True, [])  # unreadable: one shared "none" bucket
+    assert cap.admit(b"f", "/garbage") == (False, [])  # the same "none" bucket
+    assert cap.refused == 2
+    assert cap.admit(b"b", "/ip4/10.0.0.7/tcp/1", lambda p: p == b"a") == (True, [b"a"])
+    assert cap.counts() == {"10.0.0.0/24": 1, "10.0.1.0/24": 1, "none": 1}
+    with pytest.raises(InvalidTrustConfig):
+        InboundSubnetCap(0)
