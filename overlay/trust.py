@@ -1,12 +1,12 @@
-"""Defences against lying peers: trust scores, a forwarded-share cap, spot checks, subnet caps,
-per-peer rate limits.
+"""Defences against lying peers: trust scores, a forwarded-share cap, spot checks, subnet caps
+(routing candidates and inbound connections), per-peer rate limits.
 
 Everything a node learns about a peer's cache and capacity is the peer's own claim
 (signed, so it cannot be forged by a third party, but the signer may lie). This module
 turns what the node *observes* after forwarding into a per-peer trust score that the
 routing policy uses (``Candidate.trust``: the claimed match is discounted to
 ``matched * trust`` and peers under ``RoutingConfig.trust_floor`` are ignored), and adds
-three structural limits that do not depend on catching a lie at all.
+structural limits that do not depend on catching a lie at all.
 
 Pure and deterministic: no trio, libp2p or llama imports; time comes in as ``now``
 (seconds, any monotone clock) and randomness as a ``random.Random``.
