@@ -1093,12 +1093,9 @@ class AntiEntropy:
         """Total bytes of records held (own and remote)."""
         return sum(log.n_bytes for log in self._logs.values())
 
-    def origin_bytes(self) -> dict[bytes, int]:
-        """Bytes of records held per origin (own included): what a caller that keeps
-        several streams budgets across them (``partition.PartitionedDigest``)."""
-        return {origin: log.n_bytes for origin, log in self._logs.items()}
-
     def bytes_of(self, origin: bytes) -> int:
+        """Bytes of ``origin``'s records held: what a caller that keeps several streams
+        budgets across them (``partition.PartitionedDigest``)."""
         log = self._logs.get(origin)
         return log.n_bytes if log is not None else 0
 

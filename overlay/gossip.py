@@ -100,8 +100,7 @@ from .antientropy import (
     peek_message_type,
     summary_hash,
 )
-from .digest import DigestError
-from .host import FramedStream, HostError, OverlayHost, ResponderGate
+from .host import FramedStream, HostError, OverlayHost, ResponderGate, guarded_exchange
 from .peerindex import PeerCacheIndex
 from .trust import PeerRateLimiter
 
@@ -236,18 +235,9 @@ class Gossip:
         self.rounds += 1
 
     async def _exchange_guarded(self, peer: bytes) -> None:
-        try:
-            with trio.fail_after(self.exchange_timeout_s):
-                await self.exchange(peer)
+        if await guarded_exchange(self.stats, "exchanges", self.exchange_timeout_s,
+                                  lambda: self.exchange(peer), "digest exchange"):
             self.stats["exchanges_ok"] += 1
-        except trio.TooSlowError:
-            self.stats["exchanges_timed_out"] += 1
-        except (HostError, wire.WireError, DigestError) as exc:
-            self.stats["exchanges_failed"] += 1
-            log.debug("digest exchange failed: %s", exc)
-        except Exception:  # a bug in one exchange must not stop the digest loop
-            self.stats["exchanges_crashed"] += 1
-            log.exception("digest exchange crashed")
 
     # --- the exchange ----------------------------------------------------------------
 

@@ -57,6 +57,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from . import wire
+from .digest import DigestError
 from .identity import Identity, peer_id_to_b58
 
 __all__ = [
@@ -564,6 +565,29 @@ class FramedStream:
     async def reset(self) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(1):
             await self.stream.reset()
+
+
+async def guarded_exchange(
+    stats, prefix: str, timeout_s: float, call: Callable[[], Awaitable[object]], what: str
+) -> bool:
+    """Run one outgoing exchange of a digest protocol under ``timeout_s``; True when it
+    completed. Expected failures (a timeout, a peer or wire error, records that failed
+    verification) are counted in ``stats`` as ``<prefix>_timed_out`` / ``<prefix>_failed``;
+    anything else is a bug, logged and counted ``<prefix>_crashed``, and never allowed to
+    stop the caller's loop. Shared by ``overlay/gossip.py`` and ``overlay/partgossip.py``."""
+    try:
+        with trio.fail_after(timeout_s):
+            await call()
+        return True
+    except trio.TooSlowError:
+        stats[f"{prefix}_timed_out"] += 1
+    except (HostError, wire.WireError, DigestError) as exc:
+        stats[f"{prefix}_failed"] += 1
+        log.debug("%s failed: %s", what, exc)
+    except Exception:
+        stats[f"{prefix}_crashed"] += 1
+        log.exception("%s crashed", what)
+    return False
 
 
 class ResponderGate:

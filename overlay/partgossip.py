@@ -72,6 +72,7 @@ from .host import (
     PeerTimeout,
     ResponderGate,
     StreamClosedError,
+    guarded_exchange,
 )
 from .partition import (
     MAX_PARTITION_MESSAGE_BYTES,
@@ -199,25 +200,16 @@ class PartitionGossip:
         self.rounds += 1
 
     async def _push_to_home(self, home: bytes, items: list[Push]) -> None:
-        for push in items:
+        for i, push in enumerate(items):
             if not await self._push_guarded(push):
-                self.stats["pushes_deferred"] += len(items) - items.index(push) - 1
+                self.stats["pushes_deferred"] += len(items) - i - 1
                 return
 
     async def _push_guarded(self, push: Push) -> bool:
         ok = False
         try:
-            with trio.fail_after(self.exchange_timeout_s):
-                await self.push(push)
-            ok = True
-        except trio.TooSlowError:
-            self.stats["pushes_timed_out"] += 1
-        except (HostError, wire.WireError, DigestError) as exc:
-            self.stats["pushes_failed"] += 1
-            log.debug("partition push failed: %s", exc)
-        except Exception:  # a bug in one push must not stop the digest loop
-            self.stats["pushes_crashed"] += 1
-            log.exception("partition push crashed")
+            ok = await guarded_exchange(self.stats, "pushes", self.exchange_timeout_s,
+                                        lambda: self.push(push), "partition push")
         finally:
             if not ok:  # whatever went wrong, the stream's state is unknown: never reuse it
                 with trio.CancelScope(shield=True):

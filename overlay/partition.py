@@ -281,7 +281,8 @@ class PartitionedDigest:
         self.stats = {"pushes": 0, "acks": 0, "lookups_answered": 0, "refused_pushes": 0,
                       "over_budget_pushes": 0}
         # bytes of remote origins' records held, per (partition, origin), per origin and in
-        # all: updated on every push, recomputed exactly on every tick (expiry)
+        # all: a stream's remote logs change only when a push is applied or an origin
+        # expires, and both update these (_set_bytes)
         self._pbytes: dict[tuple[int, bytes], int] = {}
         self._obytes: dict[bytes, int] = {}
         self.remote_bytes = 0
@@ -354,21 +355,25 @@ class PartitionedDigest:
                 self._note_load(self.peer_id, signed.record.expires_at, signed.record.load)
             for origin in ae.expire(now):
                 index.drop_peer(origin)
+                self._set_bytes(p, origin, 0)
             index.expire(now)
-        self._recount()
         return issued
 
-    def _recount(self) -> None:
-        self._pbytes = {
-            (p, origin): n
-            for p, ae in self.streams.items()
-            for origin, n in ae.origin_bytes().items()
-            if origin != self.peer_id
-        }
-        self._obytes = {}
-        for (_, origin), n in self._pbytes.items():
-            self._obytes[origin] = self._obytes.get(origin, 0) + n
-        self.remote_bytes = sum(self._obytes.values())
+    def _set_bytes(self, p: int, origin: bytes, n: int) -> None:
+        """``origin``'s records in partition ``p`` now take ``n`` bytes here."""
+        delta = n - self._pbytes.get((p, origin), 0)
+        if not delta:
+            return
+        if n:
+            self._pbytes[(p, origin)] = n
+        else:
+            self._pbytes.pop((p, origin), None)
+        total = self._obytes.get(origin, 0) + delta
+        if total:
+            self._obytes[origin] = total
+        else:
+            self._obytes.pop(origin, None)
+        self.remote_bytes += delta
 
     def origin_held_bytes(self, origin: bytes) -> int:
         """Bytes of ``origin``'s records this home holds, all partitions together."""
@@ -447,12 +452,7 @@ class PartitionedDigest:
             applied.append(record)
             touched.add(record.origin)
         for origin in touched - {self.peer_id}:
-            n = ae.bytes_of(origin)
-            delta = n - self._pbytes.get((p, origin), 0)
-            if delta:
-                self._pbytes[(p, origin)] = n
-                self._obytes[origin] = self._obytes.get(origin, 0) + delta
-                self.remote_bytes += delta
+            self._set_bytes(p, origin, ae.bytes_of(origin))
         version = ae.version_of(sender)
         return ({sender: version} if version is not None else {}), applied
 

@@ -787,10 +787,13 @@ class InboundSubnetCap:
     def __init__(self, max_per_subnet: int = 32, *, prefix_v4: int = 24, prefix_v6: int = 48,
                  exempt_loopback: bool = True) -> None:
         self._buckets = SubnetLimiter(max_per_subnet, prefix_v4, prefix_v6, exempt_loopback)
-        self.max_per_subnet = max_per_subnet
         self._peer_bucket: dict[bytes, str] = {}
         self._members: dict[str, set[bytes]] = {}
         self.refused = 0
+
+    @property
+    def max_per_subnet(self) -> int:
+        return self._buckets.max_per_subnet
 
     def admit(
         self, peer: bytes, addr: str, is_stale: Callable[[bytes], bool] = lambda p: False

@@ -252,7 +252,7 @@ def test_a_home_holds_at_most_its_byte_budgets_across_partitions():
         largest = max(largest, deliver(other, 240.0 + 6.0 * i))
     assert any(o is other for o, _ in refused)
     assert 10_000 <= home.remote_bytes < 10_000 + largest
-    home.tick(480.0)  # the exact recount agrees with the running one
+    home.tick(480.0)  # nothing expired yet: the count holds across a tick
     assert 10_000 <= home.remote_bytes < 10_000 + largest
     n_refused = len(refused)
     late.local_add_prefix(NS, _chain(3000), 480.0)
