@@ -546,14 +546,14 @@ def generate(rng: random.Random, target: Target, pool: list[bytes] | None = None
 
 
 def _fuzz_identity():
-    from prefixmesh.overlay.identity import Identity
+    from prefixmesh.overlay.core.identity import Identity
 
     return Identity.from_seed(FUZZ_SEED)
 
 
 def _records(n_variants: int = 6) -> list[Any]:
     """Valid signed records of assorted shapes from the fuzz identity."""
-    from prefixmesh.overlay.digest import (
+    from prefixmesh.overlay.core.digest import (
         KIND_DELTA,
         KIND_SNAPSHOT,
         DigestRecord,
@@ -601,7 +601,7 @@ def _records(n_variants: int = 6) -> list[Any]:
 
 
 def _resign(body: bytes) -> bytes:
-    from prefixmesh.overlay.digest import RECORD_VERSION, SIGNATURE_LABEL
+    from prefixmesh.overlay.core.digest import RECORD_VERSION, SIGNATURE_LABEL
 
     ident = _fuzz_identity()
     sig = ident.sign(SIGNATURE_LABEL + body)
@@ -624,7 +624,7 @@ def _digest_structured(rng: random.Random, data: bytes) -> bytes | None:
 
 @_builder("digest")
 def _digest_target() -> Target:
-    from prefixmesh.overlay.digest import MAX_RECORD_BYTES, DigestError, decode_record
+    from prefixmesh.overlay.core.digest import MAX_RECORD_BYTES, DigestError, decode_record
 
     seeds = [r.raw for r in _records()]
 
@@ -661,7 +661,7 @@ def _digest_target() -> Target:
 
 def _max_hash_body() -> bytes:
     """A body whose namespace list holds the most hashes a record may carry."""
-    from prefixmesh.overlay.digest import MAX_HASHES_PER_RECORD
+    from prefixmesh.overlay.core.digest import MAX_HASHES_PER_RECORD
 
     ident = _fuzz_identity()
     hashes = b"".join(struct.pack(">Q", i) for i in range(MAX_HASHES_PER_RECORD))
@@ -687,7 +687,7 @@ def _max_hash_body() -> bytes:
 
 @_builder("antientropy")
 def _antientropy_target() -> Target:
-    from prefixmesh.overlay.antientropy import (
+    from prefixmesh.overlay.core.antientropy import (
         FULL_BASE,
         MAX_MESSAGE_BYTES,
         AntiEntropy,
@@ -714,7 +714,7 @@ def _antientropy_target() -> Target:
         encode_summary_hash,
         peek_message_type,
     )
-    from prefixmesh.overlay.identity import Identity
+    from prefixmesh.overlay.core.identity import Identity
 
     records = _records()
     ident = _fuzz_identity()
@@ -820,8 +820,8 @@ def _antientropy_target() -> Target:
 
 @_builder("partition")
 def _partition_target() -> Target:
-    from prefixmesh.overlay.digest import LoadFigures
-    from prefixmesh.overlay.partition import (
+    from prefixmesh.overlay.core.digest import LoadFigures
+    from prefixmesh.overlay.core.partition import (
         MAX_PARTITION_MESSAGE_BYTES,
         HolderMatch,
         PartitionMessageError,
@@ -886,7 +886,7 @@ def _partition_target() -> Target:
 
 
 def _wire_frames() -> list[Any]:
-    from prefixmesh.overlay import wire as w
+    from prefixmesh.overlay.core import wire as w
 
     hop = w.Hop(
         peer=b"\x00\x24" + b"p" * 36,
@@ -946,7 +946,7 @@ def _wire_frames() -> list[Any]:
 
 @_builder("wire")
 def _wire_target() -> Target:
-    from prefixmesh.overlay.wire import MAX_FRAME_BYTES, WireError, decode_body, encode_frame
+    from prefixmesh.overlay.core.wire import MAX_FRAME_BYTES, WireError, decode_body, encode_frame
 
     seeds = [encode_frame(f)[4:] for f in _wire_frames()]
     n = MAX_FRAME_BYTES
@@ -975,7 +975,7 @@ def _wire_target() -> Target:
 
 @_builder("wire-stream")
 def _wire_stream_target() -> Target:
-    from prefixmesh.overlay import wire as w
+    from prefixmesh.overlay.core import wire as w
 
     frames = [w.encode_frame(f) for f in _wire_frames()]
     req, tok, fin, end, err = frames[0], frames[2], frames[3], frames[4], frames[5]
@@ -1048,13 +1048,8 @@ def _json_structured(rng: random.Random, data: bytes) -> bytes | None:
 
 @_builder("identity")
 def _identity_target() -> Target:
-    from prefixmesh.overlay.identity import (
-        MAX_KEY_FILE_BYTES,
-        Identity,
-        IdentityError,
-        load_identity,
-        save_identity,
-    )
+    from prefixmesh.overlay.core.identity import MAX_KEY_FILE_BYTES, Identity, IdentityError
+    from prefixmesh.overlay.keyfile import load_identity, save_identity
 
     seeds = []
     for i in range(3):
@@ -1075,7 +1070,7 @@ def _identity_target() -> Target:
     ]
     return Target(
         "identity",
-        "overlay.identity.load_identity",
+        "overlay.keyfile.load_identity",
         (IdentityError,),
         run,
         seeds,
@@ -1089,7 +1084,7 @@ def _identity_target() -> Target:
 
 @_builder("peer-id")
 def _peer_id_target() -> Target:
-    from prefixmesh.overlay.identity import (
+    from prefixmesh.overlay.core.identity import (
         Identity,
         IdentityError,
         peer_id_from_b58,
@@ -1108,7 +1103,7 @@ def _peer_id_target() -> Target:
 
     return Target(
         "peer-id",
-        "overlay.identity.peer_id_from_b58 + public_key_from_peer_id",
+        "overlay.core.identity.peer_id_from_b58 + public_key_from_peer_id",
         (IdentityError,),
         run,
         seeds,

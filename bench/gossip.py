@@ -1,7 +1,7 @@
 """The simulator's side of one anti-entropy exchange: real messages, real bytes.
 
 This is the thin driver a host would also need: it calls ``AntiEntropy`` and the
-``encode_*``/``decode_*`` codecs of ``overlay/antientropy.py`` and nothing else, so the
+``encode_*``/``decode_*`` codecs of ``overlay/core/antientropy.py`` and nothing else, so the
 bytes the simulator counts are the bytes a real node would put on the wire (minus
 libp2p stream framing). Exchange, as the real node's ``overlay/gossip.py`` runs it:
 
@@ -15,7 +15,7 @@ peers before opening an exchange at all; the simulator has no heartbeats, so its
 byte counts are an upper bound of the real node's.)
 
 Opt-in variants (``SimConfig.bucket_summaries`` / ``delta_summaries``, see
-``overlay/antientropy.py``): *buckets*: B answers a differing hash with its bucket hashes
+``overlay/core/antientropy.py``): *buckets*: B answers a differing hash with its bucket hashes
 (message 7) instead of ``false``, A sends its entries of the differing buckets (8), B
 replies with records and its entries there (2), A sends records (3); *deltas*: messages
 1 and 2 become per-peer delta summaries (4, 5), and a responder that lacks the delta's
@@ -31,7 +31,7 @@ themselves are always decoded and verified by ``AntiEntropy.receive``.
 
 from __future__ import annotations
 
-from prefixmesh.overlay.antientropy import (
+from prefixmesh.overlay.core.antientropy import (
     AntiEntropy,
     DeltaSummary,
     ScopedSummary,
@@ -54,8 +54,8 @@ from prefixmesh.overlay.antientropy import (
     encode_scoped_summary,
     encode_summary_hash,
 )
-from prefixmesh.overlay.digest import DigestRecord
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.digest import DigestRecord
+from prefixmesh.overlay.core.identity import Identity
 
 __all__ = ["Message", "make_antientropy", "open_exchange", "handle"]
 

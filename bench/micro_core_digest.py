@@ -21,8 +21,8 @@ import argparse
 import random
 import time
 
-from prefixmesh.overlay.antientropy import AntiEntropy, encode_summary
-from prefixmesh.overlay.digest import (
+from prefixmesh.overlay.core.antientropy import AntiEntropy, encode_summary
+from prefixmesh.overlay.core.digest import (
     KIND_DELTA,
     KIND_SNAPSHOT,
     MAX_HASHES_PER_RECORD,
@@ -32,7 +32,7 @@ from prefixmesh.overlay.digest import (
     decode_record,
     sign_record,
 )
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.identity import Identity
 
 NS = b"bench-ns"
 MODEL = b"bench-model-fingerprint"

@@ -23,8 +23,8 @@ import resource
 import statistics
 import time
 
-from prefixmesh.overlay.digest import DigestRecord, LoadFigures, NamespaceDelta
-from prefixmesh.overlay.peerindex import PeerCacheIndex
+from prefixmesh.overlay.core.digest import DigestRecord, LoadFigures, NamespaceDelta
+from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 
 NS = b"bench-ns"
 RECORD_HASHES = 4096  # what one digest record may carry (digest.MAX_HASHES_PER_RECORD)

@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 
-from prefixmesh.inference.radix import RadixTree
+from prefixmesh.inference.core.radix import RadixTree
 
 VOCAB = 49_152
 KV_BYTES_PER_TOKEN = 23_052  # SmolLM2-135M, see docs/dependency facts

@@ -3,15 +3,15 @@
 Nothing of the protocol is reimplemented here. Every simulated node owns the same objects
 a real node owns:
 
-- a :class:`~prefixmesh.inference.radix.RadixTree` of cached prompts (token ids), with its
+- a :class:`~prefixmesh.inference.core.radix.RadixTree` of cached prompts (token ids), with its
   byte budget and LRU eviction (``kv_capacity_bytes``, ``bytes_per_token`` per token);
-- an :class:`~prefixmesh.overlay.antientropy.AntiEntropy` state with its own Ed25519
-  identity, issuing real signed :class:`~prefixmesh.overlay.digest.DigestRecord` bytes;
+- an :class:`~prefixmesh.overlay.core.antientropy.AntiEntropy` state with its own Ed25519
+  identity, issuing real signed :class:`~prefixmesh.overlay.core.digest.DigestRecord` bytes;
   exchanges are push-pull over simulated links, and every message is the real encoded
   byte string (so digest bytes/s are real);
-- a :class:`~prefixmesh.overlay.peerindex.PeerCacheIndex` fed with the records the node
+- a :class:`~prefixmesh.overlay.core.peerindex.PeerCacheIndex` fed with the records the node
   has received (stale by however long gossip took);
-- a routing :class:`~prefixmesh.overlay.routing.Policy` from ``make_policy``.
+- a routing :class:`~prefixmesh.overlay.core.routing.Policy` from ``make_policy``.
 
 Event model (heapq, virtual seconds, one seeded ``random.Random``; no trio, no clock)
     A request enters at one node (``entry``: a seeded uniform pick, by default). The node
@@ -44,7 +44,7 @@ Deliberate simplifications
     per simulation instead of once per receiving node), which changes no outcome.
 
 Trust (``trust_feedback``, off by default so routing is compared without it)
-    Every router keeps the node's own ``TrustTracker`` (``overlay/trust.py``): candidates
+    Every router keeps the node's own ``TrustTracker`` (``overlay/core/trust.py``): candidates
     carry its trust, and when a forwarded request finishes, each router on its path
     charges its next hop with what the serving node really reused (rule (a), exactly as
     ``InferService._observe_final`` does with the FINAL frame; observed at completion,
@@ -54,7 +54,7 @@ Proposals (off by default; measured in docs/bench/sim.md, not node features yet)
     ``inflight_correction``: a router adds its own forwards since a peer's load figure
     was issued to that figure.
 
-Routing improvements (node features: ``RoutingConfig`` in ``overlay/routing.py``)
+Routing improvements (node features: ``RoutingConfig`` in ``overlay/core/routing.py``)
     Every ``prefixmesh`` node keeps a ``RentLedger`` (ski rental: serve a prefix
     locally once the RTT it has paid forwarding that prefix reaches the cost of one
     local miss) and a ``PlacementLedger`` (decayed counts of where it placed requests and
@@ -67,7 +67,7 @@ Digest knobs (issue 6, T7; off by default = what the node does today)
     ``bucket_summaries`` (bucket hashes first, then only the differing buckets' entries),
     ``delta_summaries`` (per-peer delta summaries), ``min_record_interval_s`` (batch own
     deltas) and ``compaction_ratio`` (rarer compaction snapshots): see
-    ``overlay/antientropy.py``. :func:`measure_idle_digest` measures an idle swarm.
+    ``overlay/core/antientropy.py``. :func:`measure_idle_digest` measures an idle swarm.
 
 Limits
     Memory and time grow with N x (records per node): N=1024 is fine for the convergence
@@ -90,13 +90,13 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
-from prefixmesh.inference.blocks import chain_hashes, derive_namespace_key, namespace_id
-from prefixmesh.inference.radix import RadixTree
-from prefixmesh.overlay import antientropy as _ae_mod
-from prefixmesh.overlay import digest as _digest_mod
-from prefixmesh.overlay.digest import LoadFigures
-from prefixmesh.overlay.identity import Identity
-from prefixmesh.overlay.partition import (
+from prefixmesh.inference.core.blocks import chain_hashes, derive_namespace_key, namespace_id
+from prefixmesh.inference.core.radix import RadixTree
+from prefixmesh.overlay.core import antientropy as _ae_mod
+from prefixmesh.overlay.core import digest as _digest_mod
+from prefixmesh.overlay.core.digest import LoadFigures
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.core.partition import (
     HolderMatch,
     OverBudget,
     PartitionConfig,
@@ -111,15 +111,15 @@ from prefixmesh.overlay.partition import (
     encode_push,
     lookup_pays,
 )
-from prefixmesh.overlay.peerindex import PeerCacheIndex
-from prefixmesh.overlay.routing import (
+from prefixmesh.overlay.core.peerindex import PeerCacheIndex
+from prefixmesh.overlay.core.routing import (
     FORWARD,
     Candidate,
     RouterMemory,
     RoutingConfig,
     make_policy,
 )
-from prefixmesh.overlay.trust import TrustTracker
+from prefixmesh.overlay.core.trust import TrustTracker
 
 from . import gossip as _gossip
 from .workloads import Request, Workload
@@ -178,7 +178,7 @@ class SimConfig:
     # Ski rental now lives in routing (RoutingConfig.ski_rental, on by default); None
     # follows `routing`, True/False override it (the sweeps compare both).
     ski_rental: bool | None = None
-    # Partial replication (overlay/partition.py; 0 = full replication, what the node does):
+    # Partial replication (overlay/core/partition.py; 0 = full replication, what the node does):
     # P partitions by chain root, each replicated at `replicas` home nodes; routers that
     # are not a home look up a home and cache the answer `lookup_ttl_s`. Partition streams
     # refresh every `partition_refresh_s` (records live `partition_ttl_s`).

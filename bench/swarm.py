@@ -113,7 +113,7 @@ class SwarmBenchConfig:
     netns: bool = True  # try a network namespace
 
     def validate(self) -> None:
-        from prefixmesh.overlay.routing import POLICY_NAMES  # noqa: PLC0415
+        from prefixmesh.overlay.core.routing import POLICY_NAMES  # noqa: PLC0415
 
         if not 1 <= self.nodes <= 16:
             raise SwarmBenchError(f"--nodes must be 1..16, got {self.nodes}")
@@ -341,7 +341,7 @@ async def _replay(addrs: Sequence[str], trace: Sequence[TraceRequest],
     import trio  # noqa: PLC0415
 
     from prefixmesh.node.client import Client, ClientError  # noqa: PLC0415
-    from prefixmesh.overlay.identity import peer_id_from_b58  # noqa: PLC0415
+    from prefixmesh.overlay.core.identity import peer_id_from_b58  # noqa: PLC0415
 
     n = len(addrs)
     index_of = {peer_id_from_b58(a.rsplit("/p2p/", 1)[1]): i for i, a in enumerate(addrs)}

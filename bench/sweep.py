@@ -406,7 +406,7 @@ PARTITION_VARIANTS = [
 
 
 def exp_partition(ctx: Ctx) -> list[dict]:
-    """Partial replication (overlay/partition.py) against the best full replication:
+    """Partial replication (overlay/core/partition.py) against the best full replication:
     digest + lookup traffic, hits and latency under load; idle traffic; convergence;
     simulator speed; T2 at N=256; and lookups at high delay (they cost an RTT)."""
     seed = ctx.ns.seed

@@ -25,8 +25,8 @@ import time
 import trio
 
 from prefixmesh.node.client import Client, ClientError
-from prefixmesh.overlay import wire
-from prefixmesh.overlay.identity import peer_id_to_b58
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.identity import peer_id_to_b58
 
 
 def short(peer: bytes) -> str:

@@ -68,8 +68,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .blocks import chain_hashes, derive_namespace_key, namespace_id
 from .chat import ChatError, ChatRenderer, EmptyPromptError, RenderedChat, UnknownRoleError
+from .core.blocks import chain_hashes, derive_namespace_key, namespace_id
 from .kvstore import FINGERPRINT_BYTES, KVStore, Lease, StoreChange
 from .model import GGUFError, cache_dir, read_gguf_info, resolve_model
 

@@ -5,7 +5,7 @@ one sequence holding exactly the tokens of a prefix. The store never interprets 
 engine restores it with ``llama_state_seq_set_data`` and may truncate it to a shorter prefix.
 This module imports no llama code, so its logic is unit-testable with synthetic bytes.
 
-Index. Each tier is a :class:`~prefixmesh.inference.radix.RadixTree` keyed by
+Index. Each tier is a :class:`~prefixmesh.inference.core.radix.RadixTree` keyed by
 ``(namespace pseudo-token,) + token ids``; the pseudo-token is a negative int assigned per
 namespace id, so prefixes of different namespaces are disjoint by construction and a
 lookup in one namespace can never return another namespace's state. Both tiers are
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
 
-from .radix import Entry, RadixTree
+from .core.radix import Entry, RadixTree
 
 __all__ = [
     "MAGIC",

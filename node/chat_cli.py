@@ -33,6 +33,8 @@ from typing import Any, Protocol, TextIO
 
 import trio
 
+from .turnstats import TurnStats
+
 __all__ = [
     "TurnStats",
     "Line",
@@ -59,30 +61,6 @@ HELP = (
     "/quit          leave (also Ctrl-D, or Ctrl-C twice)\n"
     "Ctrl-C while an answer streams cancels that answer."
 )
-
-
-@dataclass(frozen=True)
-class TurnStats:
-    """What the client learned about one answer (from the FINAL frame and its own clock)."""
-
-    served_by: str  # base58 peer id of the node that ran the model
-    entry: str = ""  # the node the client talked to
-    hops: int = 0  # forwarding hops (0: the entry node served it)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from a cache
-    completion_tokens: int = 0
-    ttft_s: float = math.nan  # measured by the client
-    total_s: float = math.nan
-    finish_reason: str = ""
-    route: tuple[str, ...] = ()  # one "peer: action (reason)" per hop
-
-    def to_json(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["route"] = list(self.route)
-        for k in ("ttft_s", "total_s"):
-            if not math.isfinite(d[k]):
-                d[k] = None
-        return d
 
 
 Send = Callable[[list[dict[str, str]]], AsyncIterator["str | TurnStats"]]

@@ -26,7 +26,8 @@ from typing import Any
 
 import trio
 
-from prefixmesh.overlay import wire
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.identity import Identity, peer_id_to_b58
 from prefixmesh.overlay.host import (
     FramedStream,
     HostError,
@@ -34,9 +35,9 @@ from prefixmesh.overlay.host import (
     PeerTimeout,
     split_p2p_addr,
 )
-from prefixmesh.overlay.identity import Identity, peer_id_to_b58
 
 from .tenants import Tenant, TenantSpec, default_tenant_specs
+from .turnstats import TurnStats
 
 __all__ = [
     "ClientError",
@@ -240,8 +241,6 @@ class Client:
     # --- CLI adapters (node/chat_cli.py) ---------------------------------------------
 
     def chat_send(self, max_tokens: int, tenant: TenantSpec | None = None):
-        from .chat_cli import TurnStats
-
         async def send(messages: list[dict[str, str]]):
             t0 = time.perf_counter()
             ttft = math.nan

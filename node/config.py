@@ -174,7 +174,7 @@ def parse_multiaddr(text: object) -> list[tuple[str, str]]:
                 if not value.isdigit() or not 0 <= int(value) <= 65535:
                     raise ValueError
             elif proto == "p2p":
-                from prefixmesh.overlay.identity import IdentityError, peer_id_from_b58
+                from prefixmesh.overlay.core.identity import IdentityError, peer_id_from_b58
 
                 try:
                     peer_id_from_b58(value)
@@ -529,7 +529,7 @@ class RoutingSection:
 
     def routing_config(self) -> Any:
         """An ``overlay.routing.RoutingConfig`` with this section's knobs applied."""
-        from prefixmesh.overlay.routing import RoutingConfig
+        from prefixmesh.overlay.core.routing import RoutingConfig
 
         return RoutingConfig(**self.knobs)
 
@@ -641,7 +641,7 @@ def flag_label(key: str) -> str:
 def _routing_knob_fields() -> dict[str, Any] | None:
     """RoutingConfig field -> default, or None if the routing module is not there."""
     try:
-        from prefixmesh.overlay.routing import RoutingConfig
+        from prefixmesh.overlay.core.routing import RoutingConfig
     except ImportError:
         return None
     out: dict[str, Any] = {}
@@ -896,7 +896,7 @@ def config_to_toml(cfg: Config) -> str:
         elif spec.secret_source == "inline":
             lines.append(f"# secret = {_REDACTED}")
         if spec.allowed_peers:
-            from prefixmesh.overlay.identity import peer_id_to_b58
+            from prefixmesh.overlay.core.identity import peer_id_to_b58
 
             lines.append("allowed_peers = "
                          + _toml_value([peer_id_to_b58(p) for p in spec.allowed_peers]))

@@ -69,34 +69,29 @@ from pathlib import Path
 
 import trio
 
-from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes
-from prefixmesh.overlay import wire
-from prefixmesh.overlay.antientropy import AntiEntropy
-from prefixmesh.overlay.digest import LoadFigures
-from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
-from prefixmesh.overlay.gossip import Gossip
-from prefixmesh.overlay.heartbeat import Heartbeat
-from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
-from prefixmesh.overlay.identity import (
-    Identity,
-    KeyFileNotFound,
-    load_identity,
-    peer_id_to_b58,
-    save_identity,
-)
-from prefixmesh.overlay.infer import InferService, InferSettings
-from prefixmesh.overlay.partgossip import PartitionGossip
-from prefixmesh.overlay.partition import PartitionConfig, PartitionedDigest
-from prefixmesh.overlay.peerindex import PeerCacheIndex
-from prefixmesh.overlay.routing import RoutingConfig, make_policy
-from prefixmesh.overlay.trust import (
+from prefixmesh.inference.backend import Backend, BackendError, LlamaBackend, SimulatedBackend
+from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.antientropy import AntiEntropy
+from prefixmesh.overlay.core.digest import LoadFigures
+from prefixmesh.overlay.core.identity import Identity, KeyFileNotFound, peer_id_to_b58
+from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
+from prefixmesh.overlay.core.peerindex import PeerCacheIndex
+from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
+from prefixmesh.overlay.core.trust import (
     ForwardShareLimiter,
     InboundSubnetCap,
     SpotChecker,
     TrustTracker,
 )
+from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
+from prefixmesh.overlay.gossip import Gossip
+from prefixmesh.overlay.heartbeat import Heartbeat
+from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
+from prefixmesh.overlay.infer import InferService, InferSettings
+from prefixmesh.overlay.keyfile import load_identity, save_identity
+from prefixmesh.overlay.partgossip import PartitionGossip
 
-from .backend import Backend, BackendError, LlamaBackend, SimulatedBackend
 from .http_gateway import serve_node_http
 from .tenants import TenantRegistry
 
@@ -507,7 +502,7 @@ class Node:
         if self.host.inbound_cap is not None:
             out["inbound_refused"] = self.host.inbound_refused
         trust = self.infer.trust
-        if trust is not None:  # observed peers' trust, per mille (overlay/trust.py)
+        if trust is not None:  # observed peers' trust, per mille (overlay/core/trust.py)
             mono = time.monotonic()
             for peer in sorted(trust.peers())[:32]:
                 out[f"trust_{peer_id_to_b58(peer)[-8:]}"] = round(1000 * trust.trust(peer, mono))
@@ -535,7 +530,7 @@ def run_node(config, options: NodeOptions | None = None) -> int:
     for noisy in ("libp2p", "multiaddr", "zeroconf", "async_service", "anyio"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if level <= logging.DEBUG else logging.ERROR)
     from prefixmesh.inference.model import ModelFetchError
-    from prefixmesh.overlay.identity import IdentityError
+    from prefixmesh.overlay.core.identity import IdentityError
 
     try:
         node = Node(config, options)

@@ -78,7 +78,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from prefixmesh.inference.model import ModelFetchError, resolve_model
-    from prefixmesh.overlay.identity import Identity, save_identity
+    from prefixmesh.overlay.core.identity import Identity
+    from prefixmesh.overlay.keyfile import save_identity
 
     n_nodes = int(getattr(args, "nodes", 3))
     if not 2 <= n_nodes <= 8:

@@ -72,7 +72,7 @@ from typing import Any, Protocol
 
 import trio
 
-from prefixmesh.overlay import wire
+from prefixmesh.overlay.core import wire
 
 from .config import is_loopback_host
 from .openai_schema import (
@@ -684,7 +684,7 @@ def _route_header(route: Mapping[str, Any]) -> bytes:
 
 def route_json(final) -> dict[str, Any]:
     """A ``wire.Final``'s route trace as JSON-able data (peer ids in base58)."""
-    from prefixmesh.overlay.identity import peer_id_to_b58
+    from prefixmesh.overlay.core.identity import peer_id_to_b58
 
     def b58(pid: bytes) -> str | None:
         try:
@@ -764,7 +764,7 @@ class NodeGatewayBackend:
     """:class:`GatewayBackend` over a running node's request pipeline.
 
     ``infer`` is the node's :class:`~prefixmesh.overlay.infer.InferService`; ``backend``
-    its engine :class:`~prefixmesh.node.backend.Backend` (for tokenizing and load
+    its engine :class:`~prefixmesh.inference.backend.Backend` (for tokenizing and load
     figures); ``tenants`` its :class:`~prefixmesh.node.tenants.TenantRegistry`."""
 
     def __init__(self, *, infer, backend, tenants, hop_budget: int = 2,
@@ -794,7 +794,7 @@ class NodeGatewayBackend:
         }
 
     async def _prompt_tokens(self, job: GenerationJob) -> tuple[int, ...]:
-        from prefixmesh.node.backend import BackendError
+        from prefixmesh.inference.backend import BackendError
 
         try:
             if job.prompt is None:

@@ -58,7 +58,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixmesh.inference.blocks import derive_namespace_key, namespace_id
+from prefixmesh.inference.core.blocks import derive_namespace_key, namespace_id
 from prefixmesh.overlay.privatefile import (
     InsecureFileMode,
     NotARegularFile,
@@ -294,7 +294,7 @@ def parse_tenant(name: str, table: object, *, base_dir: Path | None = None) -> T
     A relative ``secret_file`` is resolved against ``base_dir`` (the config file's folder).
     """
     # the identity module is pure too; imported here so that tenants.py loads without it
-    from prefixmesh.overlay.identity import IdentityError, peer_id_from_b58
+    from prefixmesh.overlay.core.identity import IdentityError, peer_id_from_b58
 
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise TenantConfigError(

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from .core.identity import IdentityError, peer_id_to_b58, public_key_from_peer_id
 from .host import HostError, OverlayHost, split_p2p_addr
-from .identity import IdentityError, peer_id_to_b58, public_key_from_peer_id
 
 __all__ = [
     "KnownPeer",
@@ -315,7 +315,7 @@ def decode_dht_record(
     ``now`` (default: the wall clock)."""
     import cbor2
 
-    from .identity import peer_id_from_b58, verify_signature
+    from .core.identity import peer_id_from_b58, verify_signature
 
     if len(value) > MAX_DHT_RECORD_BYTES:
         raise DhtRecordError("record too large")

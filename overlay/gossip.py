@@ -77,8 +77,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from . import wire
-from .antientropy import (
+from .core import wire
+from .core.antientropy import (
     MSG_BUCKETS,
     MSG_SCOPED_SUMMARY,
     AntiEntropy,
@@ -100,9 +100,9 @@ from .antientropy import (
     peek_message_type,
     summary_hash,
 )
+from .core.peerindex import PeerCacheIndex
+from .core.trust import PeerRateLimiter
 from .host import FramedStream, HostError, OverlayHost, ResponderGate, guarded_exchange
-from .peerindex import PeerCacheIndex
-from .trust import PeerRateLimiter
 
 __all__ = ["Gossip", "summary_hash"]
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import trio
 
-from . import wire
+from .core import wire
+from .core.identity import peer_id_to_b58
 from .host import FramedStream, HostError, OverlayHost
-from .identity import peer_id_to_b58
 
 __all__ = ["PeerHealth", "Heartbeat"]
 

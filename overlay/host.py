@@ -56,9 +56,9 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
-from . import wire
-from .digest import DigestError
-from .identity import Identity, peer_id_to_b58
+from .core import wire
+from .core.digest import DigestError
+from .core.identity import Identity, peer_id_to_b58
 
 __all__ = [
     "HostError",

@@ -4,8 +4,8 @@ Every node on a request's path decides for itself (no coordinator):
 
 1. check the request (deadline, loop, duplicate id, namespace credential);
 2. turn messages into prompt token ids once (the entry node; later hops get token ids);
-3. build a :class:`~prefixmesh.overlay.routing.RouteContext` (through the node's
-   :class:`~prefixmesh.overlay.routing.RouterMemory`: ski-rental rent and smoothed
+3. build a :class:`~prefixmesh.overlay.core.routing.RouteContext` (through the node's
+   :class:`~prefixmesh.overlay.core.routing.RouterMemory`: ski-rental rent and smoothed
    placements, the same code the simulator drives) from its own radix-tree
    match (``backend.match_length``), the :class:`PeerCacheIndex` estimates for the
    request's chained block hashes, load figures (digests, fresher PONGs), heartbeat RTTs,
@@ -48,8 +48,7 @@ from dataclasses import dataclass, replace
 
 import trio
 
-from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes
-from prefixmesh.node.backend import (
+from prefixmesh.inference.backend import (
     Backend,
     BackendError,
     BackendOverloaded,
@@ -57,17 +56,15 @@ from prefixmesh.node.backend import (
     GenerateRequest,
     TokenChunk,
 )
+from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 
-from . import wire
-from .digest import LoadFigures
-from .heartbeat import Heartbeat
-from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
-from .identity import peer_id_to_b58
-from .partgossip import PartitionGossip
-from .partition import lookup_pays
-from .peerindex import PeerCacheIndex
-from .routing import Candidate, Policy, RouteContext, RouterMemory, candidate_cost_s
-from .trust import (
+from .core import wire
+from .core.digest import LoadFigures
+from .core.identity import peer_id_to_b58
+from .core.partition import lookup_pays
+from .core.peerindex import PeerCacheIndex
+from .core.routing import Candidate, Policy, RouteContext, RouterMemory, candidate_cost_s
+from .core.trust import (
     MISMATCH,
     ForwardShareLimiter,
     PeerRateLimiter,
@@ -75,6 +72,9 @@ from .trust import (
     SubnetLimiter,
     TrustTracker,
 )
+from .heartbeat import Heartbeat
+from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
+from .partgossip import PartitionGossip
 
 __all__ = ["InferSettings", "InferService", "RETRYABLE_CODES"]
 
@@ -211,7 +211,7 @@ class InferService:
         self.policy = policy
         self.settings = settings or InferSettings()
         self.clock = clock
-        # ski-rental rent per prefix and smoothed placements (overlay/routing.py), the
+        # ski-rental rent per prefix and smoothed placements (overlay/core/routing.py), the
         # same RouterMemory the simulator drives; only the prefixmesh policy uses them
         self.memory = RouterMemory.for_policy(policy, self.me)
         s = self.settings
@@ -221,13 +221,13 @@ class InferService:
             if s.max_peers_per_subnet > 0
             else None
         )
-        # observed honesty of next hops (overlay/trust.py): discounts their claimed cache
+        # observed honesty of next hops (overlay/core/trust.py): discounts their claimed cache
         # in routing; fed with FINAL frames (claimed vs reused tokens) and hop failures
         self.trust = trust
-        # optional cap on any one peer's share of our forwards (overlay/trust.py); off by
+        # optional cap on any one peer's share of our forwards (overlay/core/trust.py); off by
         # default in the daemon: in swarms of 2-3 nodes it halves legitimate forwarding
         self.share_limiter = share_limiter
-        # optional re-execution of forwarded greedy requests (overlay/trust.py SpotChecker);
+        # optional re-execution of forwarded greedy requests (overlay/core/trust.py SpotChecker);
         # jobs queue for :meth:`run_spot_checks`, which the daemon runs in its nursery
         self.spot_checker = spot_checker
         # partial replication ([digest].partitions > 0; the daemon sets it once its

@@ -62,19 +62,10 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from . import wire
-from .antientropy import peek_message_type
-from .digest import DigestError
-from .host import (
-    FramedStream,
-    HostError,
-    OverlayHost,
-    PeerTimeout,
-    ResponderGate,
-    StreamClosedError,
-    guarded_exchange,
-)
-from .partition import (
+from .core import wire
+from .core.antientropy import peek_message_type
+from .core.digest import DigestError
+from .core.partition import (
     MAX_PARTITION_MESSAGE_BYTES,
     MSG_LOOKUP,
     MSG_PUSH,
@@ -94,7 +85,16 @@ from .partition import (
     encode_lookup_answer,
     encode_push,
 )
-from .trust import PeerRateLimiter
+from .core.trust import PeerRateLimiter
+from .host import (
+    FramedStream,
+    HostError,
+    OverlayHost,
+    PeerTimeout,
+    ResponderGate,
+    StreamClosedError,
+    guarded_exchange,
+)
 
 __all__ = ["PartitionGossip"]
 

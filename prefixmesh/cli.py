@@ -67,7 +67,8 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from prefixmesh.node.config import load_config
-    from prefixmesh.overlay.identity import Identity, KeyFileExists, save_identity
+    from prefixmesh.overlay.core.identity import Identity, KeyFileExists
+    from prefixmesh.overlay.keyfile import save_identity
 
     path = Path(args.out).expanduser() if args.out else load_config(args.config).node.key_file
     identity = Identity.generate()
@@ -410,7 +411,7 @@ def _user_error(exc: BaseException, name: str = "") -> str | None:
     if isinstance(exc, TenantError):
         return f"tenant error: {exc}"
     try:
-        from prefixmesh.overlay.identity import IdentityError
+        from prefixmesh.overlay.core.identity import IdentityError
     except ImportError:  # pragma: no cover - identity is part of every build
         IdentityError = ()  # type: ignore[assignment]  # noqa: N806
     if isinstance(exc, IdentityError):

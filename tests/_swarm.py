@@ -19,8 +19,8 @@ from pathlib import Path
 import trio
 
 from prefixmesh.node.client import Client
-from prefixmesh.overlay import wire
-from prefixmesh.overlay.identity import peer_id_from_b58
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.identity import peer_id_from_b58
 
 try:
     from _model_fixture import TEST_THREADS, default_model_path

@@ -1,4 +1,4 @@
-"""Tests for overlay/antientropy.py: local refcounts, record streams, exchange, convergence."""
+"""Tests for overlay/core/antientropy.py: local refcounts, record streams, exchange, convergence."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay import antientropy as ae
-from prefixmesh.overlay.antientropy import (
+from prefixmesh.overlay.core import antientropy as ae
+from prefixmesh.overlay.core.antientropy import (
     AntiEntropy,
     DigestError,
     MalformedMessage,
@@ -26,7 +26,7 @@ from prefixmesh.overlay.antientropy import (
     encode_reply,
     encode_summary,
 )
-from prefixmesh.overlay.digest import (
+from prefixmesh.overlay.core.digest import (
     KIND_DELTA,
     KIND_SNAPSHOT,
     MAX_HASHES_PER_RECORD,
@@ -38,7 +38,7 @@ from prefixmesh.overlay.digest import (
     SequenceRegression,
     sign_record,
 )
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.identity import Identity
 
 MODEL = b"model-fingerprint"
 NS = b"N" * 8
@@ -748,7 +748,7 @@ def test_summary_hash_messages_round_trip_and_reject_garbage():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from prefixmesh.overlay.antientropy import (
+    from prefixmesh.overlay.core.antientropy import (
         AntiEntropyError,
         decode_summary_hash,
         encode_summary_hash,

@@ -1,5 +1,5 @@
 """Tests for the incremental summary, per-peer delta summaries and delta batching of
-overlay/antientropy.py (issue 6, T7 and simulator speed)."""
+overlay/core/antientropy.py (issue 6, T7 and simulator speed)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay import antientropy as ae
-from prefixmesh.overlay.antientropy import (
+from prefixmesh.overlay.core import antientropy as ae
+from prefixmesh.overlay.core.antientropy import (
     FULL_BASE,
     AntiEntropy,
     AntiEntropyError,
@@ -33,7 +33,7 @@ from prefixmesh.overlay.antientropy import (
     encode_summary,
     summary_hash,
 )
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.identity import Identity
 
 MODEL = b"model-fingerprint"
 NS = b"N" * 8
@@ -476,7 +476,7 @@ def test_min_record_interval_batches_changes_into_one_delta():
 def bucket_exchange(a: AntiEntropy, b: AntiEntropy, now: float) -> bool:
     """a opens, b answers with bucket hashes, a sends the differing buckets' entries, b
     replies with records + its entries there, a sends records: through the codecs."""
-    from prefixmesh.overlay.antientropy import (
+    from prefixmesh.overlay.core.antientropy import (
         ScopedSummary,
         bucket_count,
         decode_buckets,
@@ -531,7 +531,7 @@ def test_a_bucket_exchange_moves_exactly_what_a_full_exchange_moves(adds, syncs)
 
 
 def test_bucket_hashes_track_the_summary_and_codecs_reject_garbage():
-    from prefixmesh.overlay.antientropy import (
+    from prefixmesh.overlay.core.antientropy import (
         ScopedSummary,
         bucket_count,
         bucket_of,
@@ -617,7 +617,7 @@ def test_bucket_exchanges_converge_64_lossy_peers_in_logarithmic_rounds(fanout):
 
 
 def test_peek_message_type_names_each_message_without_decoding():
-    from prefixmesh.overlay.antientropy import (
+    from prefixmesh.overlay.core.antientropy import (
         ScopedSummary,
         encode_buckets,
         encode_scoped_summary,

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.inference.blocks import (
+from prefixmesh.inference.core.blocks import (
     BLOCK_TOKENS,
     HASH_BYTES,
     ROOT_HASH,

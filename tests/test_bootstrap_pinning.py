@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from prefixmesh.node.config import ConfigError, load_config
+from prefixmesh.overlay.core.identity import Identity
 from prefixmesh.overlay.discovery import (
     _DHT_RECORD_LABEL,  # the signing domain label
     DhtRecordError,
@@ -33,7 +34,6 @@ from prefixmesh.overlay.discovery import (
     encode_dht_record,
 )
 from prefixmesh.overlay.host import OverlayHost, PeerUnreachable, split_p2p_addr
-from prefixmesh.overlay.identity import Identity
 
 WAIT_S = 20.0  # generous: a busy 2-core machine
 

@@ -13,7 +13,7 @@ import pytest
 
 from prefixmesh.cli import CliError, _component, main
 from prefixmesh.node.config import load_config
-from prefixmesh.overlay.identity import load_identity
+from prefixmesh.overlay.keyfile import load_identity
 
 REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = [["keygen"], ["node"], ["chat"], ["ask"], ["peers"], ["demo"], ["model"],

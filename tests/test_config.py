@@ -20,7 +20,7 @@ from prefixmesh.node.config import (
     load_config,
 )
 from prefixmesh.node.sizes import MAX_SIZE, SizeError, format_size, parse_size
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.identity import Identity
 
 REPO = Path(__file__).resolve().parents[1]
 PEER = Identity.from_seed(bytes(range(32))).peer_id_b58
@@ -96,7 +96,7 @@ def test_defaults():
 
 
 def test_policy_names_match_routing_module():
-    from prefixmesh.overlay import routing
+    from prefixmesh.overlay.core import routing
 
     assert POLICY_NAMES == routing.POLICY_NAMES
 

@@ -1,4 +1,4 @@
-"""Tests for overlay/digest.py: canonical signed records and every rejection path."""
+"""Tests for overlay/core/digest.py: canonical signed records and every rejection path."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay import digest as dg
-from prefixmesh.overlay.digest import (
+from prefixmesh.overlay.core import digest as dg
+from prefixmesh.overlay.core.digest import (
     KIND_DELTA,
     KIND_SNAPSHOT,
     MAX_ADDR_CHARS,
@@ -38,7 +38,7 @@ from prefixmesh.overlay.digest import (
     loads_bounded,
     sign_record,
 )
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.identity import Identity
 
 ME = Identity.from_seed(bytes(range(32)))
 OTHER = Identity.from_seed(bytes(range(1, 33)))

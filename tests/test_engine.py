@@ -13,7 +13,7 @@ import threading
 import pytest
 from _model_fixture import TEST_THREADS, default_model_path
 
-from prefixmesh.inference.blocks import chain_hashes
+from prefixmesh.inference.core.blocks import chain_hashes
 from prefixmesh.inference.engine import (
     CacheEvent,
     ContextOverflowError,

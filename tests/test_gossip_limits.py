@@ -17,18 +17,18 @@ import time
 import pytest
 import trio
 
-from prefixmesh.overlay import wire
-from prefixmesh.overlay.antientropy import (
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.antientropy import (
     AntiEntropy,
     decode_reply,
     encode_records,
     encode_summary,
 )
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.core.peerindex import PeerCacheIndex
+from prefixmesh.overlay.core.trust import InvalidTrustConfig
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
-from prefixmesh.overlay.identity import Identity
-from prefixmesh.overlay.peerindex import PeerCacheIndex
-from prefixmesh.overlay.trust import InvalidTrustConfig
 
 MODEL = b"model-fp-test-00"
 NS = b"N" * 8

@@ -1,4 +1,4 @@
-"""Tests for overlay/identity.py: keys, key files, libp2p-compatible peer ids."""
+"""Tests for overlay/core/identity.py: keys, key files, libp2p-compatible peer ids."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay import identity as ident
-from prefixmesh.overlay.identity import (
+from prefixmesh.overlay.core import identity as ident
+from prefixmesh.overlay.core.identity import (
     MAX_KEY_FILE_BYTES,
     Identity,
     IdentityError,
@@ -25,14 +25,13 @@ from prefixmesh.overlay.identity import (
     UnsupportedKeyType,
     b58decode,
     b58encode,
-    load_identity,
     peer_id_from_b58,
     peer_id_from_public_key,
     peer_id_to_b58,
     public_key_from_peer_id,
-    save_identity,
     verify_signature,
 )
+from prefixmesh.overlay.keyfile import load_identity, save_identity
 
 seeds = st.binary(min_size=32, max_size=32)
 
@@ -283,4 +282,4 @@ def test_module_is_pure():
     src = open(ident.__file__).read()
     for banned in ("import trio", "import libp2p", "from libp2p", "llama_cpp"):
         assert banned not in src
-    assert "prefixmesh.overlay.identity" in sys.modules
+    assert "prefixmesh.overlay.core.identity" in sys.modules

@@ -486,7 +486,8 @@ BAD_CONFIGS = {
 def test_a_bad_config_stops_the_node_at_once_with_one_line(case, tmp_path):
     (tmp_path / "keys-dir").mkdir()
     (tmp_path / "plain-file").write_text("not a folder\n")
-    from prefixmesh.overlay.identity import Identity, save_identity
+    from prefixmesh.overlay.core.identity import Identity
+    from prefixmesh.overlay.keyfile import save_identity
 
     save_identity(Identity.generate(), tmp_path / "open.key")
     (tmp_path / "open.key").chmod(0o644)  # a stat check: refused even for root

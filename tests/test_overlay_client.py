@@ -10,7 +10,7 @@ from prefixmesh.node.chat_cli import TurnStats
 from prefixmesh.node.client import Client, ConnectFailed, open_client_for_cli
 from prefixmesh.node.config import load_config
 from prefixmesh.node.daemon import Node, NodeOptions
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.identity import Identity
 
 
 def _node(tmp_path):

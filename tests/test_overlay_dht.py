@@ -13,13 +13,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, peers, wait_until  # noqa: E402
 
+from prefixmesh.overlay.core.identity import Identity  # noqa: E402
 from prefixmesh.overlay.discovery import (  # noqa: E402
     DhtRecordError,
     PrefixmeshValidator,
     decode_dht_record,
     encode_dht_record,
 )
-from prefixmesh.overlay.identity import Identity  # noqa: E402
 
 
 def test_validator_checks_writer_and_prefers_newest():

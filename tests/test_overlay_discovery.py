@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from prefixmesh.overlay.core.identity import Identity
 from prefixmesh.overlay.discovery import MAX_ADDRS_PER_PEER, PeerDirectory, providers_key
-from prefixmesh.overlay.identity import Identity
 
 
 def test_directory_learns_filters_and_rewatches():

@@ -22,9 +22,9 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, ask, peers  # noqa: E402
 
-from prefixmesh.overlay import wire  # noqa: E402
-from prefixmesh.overlay.antientropy import decode_reply, encode_records, encode_summary  # noqa: E402
-from prefixmesh.overlay.digest import (  # noqa: E402
+from prefixmesh.overlay.core import wire  # noqa: E402
+from prefixmesh.overlay.core.antientropy import decode_reply, encode_records, encode_summary  # noqa: E402
+from prefixmesh.overlay.core.digest import (  # noqa: E402
     SIGNATURE_LABEL,
     DigestRecord,
     LoadFigures,
@@ -32,9 +32,9 @@ from prefixmesh.overlay.digest import (  # noqa: E402
     encode_body,
     sign_record,
 )
+from prefixmesh.overlay.core.identity import Identity  # noqa: E402
 from prefixmesh.overlay.gossip import summary_hash  # noqa: E402
 from prefixmesh.overlay.host import FramedStream, OverlayHost, split_p2p_addr  # noqa: E402
-from prefixmesh.overlay.identity import Identity  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

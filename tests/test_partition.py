@@ -1,4 +1,4 @@
-"""Partial replication of digests (overlay/partition.py): pure-state tests with real
+"""Partial replication of digests (overlay/core/partition.py): pure-state tests with real
 signed records, property tests of the partition map and codecs, and simulator runs."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from prefixmesh.bench.sim import SimConfig, Simulator
 from prefixmesh.bench.workloads import synthetic_workload
-from prefixmesh.overlay.antientropy import AntiEntropy
-from prefixmesh.overlay.digest import MAX_MODEL_FP_BYTES, LoadFigures
-from prefixmesh.overlay.identity import Identity
-from prefixmesh.overlay.partition import (
+from prefixmesh.overlay.core.antientropy import AntiEntropy
+from prefixmesh.overlay.core.digest import MAX_MODEL_FP_BYTES, LoadFigures
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.core.partition import (
     HolderMatch,
     LookupCache,
     NotAHome,

@@ -23,17 +23,17 @@ from pathlib import Path
 import pytest
 import trio
 
-from prefixmesh.overlay import wire
-from prefixmesh.overlay.antientropy import AntiEntropy
-from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
-from prefixmesh.overlay.identity import Identity
-from prefixmesh.overlay.partgossip import PartitionGossip
-from prefixmesh.overlay.partition import (
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.antientropy import AntiEntropy
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.core.partition import (
     PartitionConfig,
     PartitionedDigest,
     Push,
     encode_push,
 )
+from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
+from prefixmesh.overlay.partgossip import PartitionGossip
 
 MODEL = b"model-fp-test-00"
 NS = b"N" * 8
@@ -282,10 +282,10 @@ def test_partitioned_swarm_routes_a_non_home_entry_to_the_holder(tmp_path):
 def test_daemon_passes_the_batching_knob_to_full_and_partition_streams(tmp_path):
     """[digest] min_record_interval_s reaches the node's AntiEntropy and every partition
     stream it creates (capped at half the refresh interval)."""
-    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
+    from prefixmesh.inference.backend import SimulatedBackend  # noqa: PLC0415
     from prefixmesh.node.config import load_config  # noqa: PLC0415
     from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
-    from prefixmesh.overlay.identity import Identity  # noqa: PLC0415
+    from prefixmesh.overlay.core.identity import Identity  # noqa: PLC0415
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -356,7 +356,7 @@ async def _partitioned_swarm(nursery, tmp_path, n: int, texts=None) -> list:
     """``n`` in-process nodes (real libp2p, simulated engine), each bootstrapped to every
     earlier one, ``[digest] partitions = 16, replicas = 2`` (and node i's config file text
     ``texts[i]``, e.g. tenants); returns once every node sees all the others up."""
-    from prefixmesh.node.backend import SimulatedBackend  # noqa: PLC0415
+    from prefixmesh.inference.backend import SimulatedBackend  # noqa: PLC0415
     from prefixmesh.node.config import load_config  # noqa: PLC0415
     from prefixmesh.node.daemon import Node, NodeOptions  # noqa: PLC0415
 
@@ -492,7 +492,7 @@ def test_a_forwarded_request_carries_the_lookup_answer_to_the_next_hop(tmp_path)
     it decides with that list, without a lookup of its own, and forwards on to the holder.
     Control: the same forwarded request without the list is served by the router itself
     (only entry nodes look up), as in the simulator."""
-    from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes  # noqa: PLC0415
+    from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes  # noqa: PLC0415
     from prefixmesh.node.client import Client  # noqa: PLC0415
 
     async def forwarded(router, messages, holders):
@@ -566,7 +566,7 @@ def test_a_node_without_the_namespace_relays_to_a_holder_its_partitions_know(tmp
     request's namespace (it cannot compute the namespace's chains) relays by what the
     partitions it homes know: here it is a home of the prompt's partition, learns the
     holder from the holder's push, and relays the request there."""
-    from prefixmesh.inference.blocks import BLOCK_TOKENS, chain_hashes  # noqa: PLC0415
+    from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes  # noqa: PLC0415
     from prefixmesh.node.client import Client  # noqa: PLC0415
     from prefixmesh.node.config import load_config  # noqa: PLC0415
 

@@ -1,4 +1,4 @@
-"""Tests of overlay/peerindex.py: record semantics, match rule, expiry, cap, and a
+"""Tests of overlay/core/peerindex.py: record semantics, match rule, expiry, cap, and a
 hypothesis comparison against a naive reference model."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.digest import DigestRecord, LoadFigures, NamespaceDelta
-from prefixmesh.overlay.peerindex import (
+from prefixmesh.overlay.core.digest import DigestRecord, LoadFigures, NamespaceDelta
+from prefixmesh.overlay.core.peerindex import (
     MAX_HASHES_PER_PEER,
     PeerCacheIndex,
     PeerIndexError,

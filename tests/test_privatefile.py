@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixmesh.node.tenants import read_secret_file
-from prefixmesh.overlay.identity import InsecureKeyFile, load_identity
+from prefixmesh.overlay.core.identity import InsecureKeyFile
+from prefixmesh.overlay.keyfile import load_identity
 from prefixmesh.overlay.privatefile import (
     InsecureFileMode,
     NotARegularFile,

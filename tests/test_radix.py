@@ -1,4 +1,4 @@
-"""Tests for prefixmesh.inference.radix: unit tests plus a stateful model-based test that
+"""Tests for prefixmesh.inference.core.radix: unit tests plus a stateful model-based test that
 drives RadixTree and a brute-force reference implementation side by side."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from prefixmesh.inference.radix import (
+from prefixmesh.inference.core.radix import (
     CapacityError,
     Entry,
     EntryPinnedError,

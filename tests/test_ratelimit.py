@@ -1,4 +1,4 @@
-"""PeerRateLimiter (overlay/trust.py): per-peer token buckets, checked against a brute-force
+"""PeerRateLimiter (overlay/core/trust.py): per-peer token buckets, checked against a brute-force
 exact-arithmetic reference and against the window bound itself."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.trust import InvalidObservation, InvalidTrustConfig, PeerRateLimiter
+from prefixmesh.overlay.core.trust import InvalidObservation, InvalidTrustConfig, PeerRateLimiter
 
 PEERS = [bytes([i]) * 4 for i in range(6)]
 

@@ -1,4 +1,4 @@
-"""Tests of overlay/routing.py: each policy's rule, and invariants shared by all of them."""
+"""Tests of overlay/core/routing.py: each policy's rule, and invariants shared by all of them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.routing import (
+from prefixmesh.overlay.core.routing import (
     FORWARD,
     POLICY_NAMES,
     SERVE,
@@ -320,7 +320,7 @@ def test_consistent_hash_agrees_across_nodes_and_handles_no_block() -> None:
 
 
 def test_consistent_hash_fallbacks_stop_at_self_and_skip_visited() -> None:
-    from prefixmesh.overlay.routing import rendezvous_score
+    from prefixmesh.overlay.core.routing import rendezvous_score
 
     members = (A, B, C, D)
     for i in range(50):
@@ -651,7 +651,7 @@ def test_router_memory_equals_the_documented_call_sequence(steps) -> None:
     """RouterMemory.decide (what the node and the simulator call) makes exactly the
     decisions of the hand-written sequence in docs/ARCHITECTURE.md: record_inbound,
     recent_placed per candidate, rent key, context, decide, rent.observe, record."""
-    from prefixmesh.overlay.routing import PlacementLedger, RouterMemory
+    from prefixmesh.overlay.core.routing import PlacementLedger, RouterMemory
 
     chain = [bytes([i]) * 8 for i in range(4)]
     mem = RouterMemory(SELF, block_tokens=16)
@@ -683,7 +683,7 @@ def test_router_memory_equals_the_documented_call_sequence(steps) -> None:
 
 
 def test_router_memory_disabled_leaves_every_ledger_field_zero() -> None:
-    from prefixmesh.overlay.routing import RouterMemory
+    from prefixmesh.overlay.core.routing import RouterMemory
 
     mem = RouterMemory(SELF, enabled=False)
     for i in range(3):

@@ -245,7 +245,7 @@ def test_prefixmesh_nodes_feed_their_routing_ledgers(small_wl):
 
 
 def test_ski_rental_setting_follows_routing_unless_overridden(small_wl):
-    from prefixmesh.overlay.routing import RoutingConfig  # noqa: PLC0415
+    from prefixmesh.overlay.core.routing import RoutingConfig  # noqa: PLC0415
 
     wl = small_wl.head(20)
     assert simulate(wl, SimConfig(nodes=2)).config["routing"]["ski_rental"] is True
@@ -271,7 +271,7 @@ def test_routing_improvements_do_not_cost_latency_or_hits_on_a_skewed_workload()
     # Zipf 1.5 over documents, 8 nodes at 0.5 req/s each, unlimited caches: the new
     # defaults (ski rental, load slack, placement bound and shedding) against the old
     # rule. Deterministic (one seed); the multi-seed figures are in docs/bench/sim.md.
-    from prefixmesh.overlay.routing import RoutingConfig  # noqa: PLC0415
+    from prefixmesh.overlay.core.routing import RoutingConfig  # noqa: PLC0415
 
     wl = synthetic_workload(800, rate=4.0, alpha=1.5, n_docs=40, n_system=2, seed=3)
     old = RoutingConfig(ski_rental=False, bound_placements=False, load_slack=0.0)
@@ -285,7 +285,7 @@ def test_routing_improvements_do_not_cost_latency_or_hits_on_a_skewed_workload()
 def test_trust_feedback_drives_the_nodes_trust_tracker():
     """The simulator's routers keep the node's own TrustTracker (one brain): liars end
     up with misses charged and lower trust than honest peers."""
-    from prefixmesh.overlay.trust import TrustTracker
+    from prefixmesh.overlay.core.trust import TrustTracker
 
     wl = synthetic_workload(600, rate=4.0, n_docs=60, n_system=4, seed=1)
     sim = Simulator(wl, SimConfig(nodes=8, policy="prefixmesh", liar_fraction=0.25, seed=2,

@@ -59,7 +59,7 @@ def test_convergence_with_delta_summaries_stays_within_the_bound():
 
 
 def test_need_summary_round_trip_in_the_driver():
-    from prefixmesh.overlay.identity import Identity
+    from prefixmesh.overlay.core.identity import Identity
 
     a = sim_gossip.make_antientropy(Identity.from_seed(b"a" * 32), b"m", now=0.0, ttl=60.0,
                                     refresh_interval=20.0)  # fmt: skip

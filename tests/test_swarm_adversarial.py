@@ -19,7 +19,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
 
-from prefixmesh.overlay import wire  # noqa: E402
+from prefixmesh.overlay.core import wire  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

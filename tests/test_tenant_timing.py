@@ -74,7 +74,7 @@ from _swarm import NodeProc  # noqa: E402
 
 from prefixmesh.node.client import Client  # noqa: E402
 from prefixmesh.node.tenants import Tenant, TenantSpec  # noqa: E402
-from prefixmesh.overlay.identity import peer_id_to_b58  # noqa: E402
+from prefixmesh.overlay.core.identity import peer_id_to_b58  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real node processes and the real model
 

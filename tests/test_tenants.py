@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.inference.blocks import chain_hashes, derive_namespace_key, namespace_id
+from prefixmesh.inference.core.blocks import chain_hashes, derive_namespace_key, namespace_id
 from prefixmesh.node.tenants import (
     CREDENTIAL_BYTES,
     DEFAULT_PUBLIC_TENANT,
@@ -27,7 +27,7 @@ from prefixmesh.node.tenants import (
     parse_tenant,
     public_secret,
 )
-from prefixmesh.overlay.identity import Identity
+from prefixmesh.overlay.core.identity import Identity
 
 FP_A = b"model-a-fingerprint"
 FP_B = b"model-b-fingerprint"

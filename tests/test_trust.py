@@ -1,4 +1,4 @@
-"""Tests of overlay/trust.py: trust scores, the forwarded-share cap, spot checks, subnets."""
+"""Tests of overlay/core/trust.py: trust scores, the forwarded-share cap, spot checks, subnets."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.routing import FORWARD, Candidate, RouteContext, RoutingConfig, make_policy
-from prefixmesh.overlay.trust import (
+from prefixmesh.overlay.core.routing import (
+    FORWARD,
+    Candidate,
+    RouteContext,
+    RoutingConfig,
+    make_policy,
+)
+from prefixmesh.overlay.core.trust import (
     DRIFT,
     MATCH,
     MISMATCH,

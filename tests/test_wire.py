@@ -1,4 +1,4 @@
-"""Frame codec and stream state machine of overlay/wire.py (pure; property-based)."""
+"""Frame codec and stream state machine of overlay/core/wire.py (pure; property-based)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay import wire as w
+from prefixmesh.overlay.core import wire as w
 
 ids = st.binary(min_size=0, max_size=40)
 short = st.text(max_size=30)

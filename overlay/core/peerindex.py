@@ -1,6 +1,6 @@
 """What every known peer is estimated to hold: an inverted index over peers' block hashes.
 
-Peers gossip signed digest records (``overlay/digest.py``) that list the chained block
+Peers gossip signed digest records (``overlay/core/digest.py``) that list the chained block
 hashes of the prefixes they have cached, per namespace. ``PeerCacheIndex`` folds those
 records into two structures:
 

@@ -1,9 +1,9 @@
 """Overlay benchmarks (results in docs/bench/overlay.md).
 
-    python -m prefixmesh.overlay.benchmark hop          [--requests 200]
-    python -m prefixmesh.overlay.benchmark digest-bytes [--nodes 8 --prefixes 1000 --seconds 30]
-    python -m prefixmesh.overlay.benchmark convergence  [--nodes 8 --trials 20]
-    python -m prefixmesh.overlay.benchmark digest-load  [--nodes 16 --rate 0.5 --seconds 30
+    python -m prefixmesh.bench.overlay hop          [--requests 200]
+    python -m prefixmesh.bench.overlay digest-bytes [--nodes 8 --prefixes 1000 --seconds 30]
+    python -m prefixmesh.bench.overlay convergence  [--nodes 8 --trials 20]
+    python -m prefixmesh.bench.overlay digest-load  [--nodes 16 --rate 0.5 --seconds 30
                                                          --partitions 0,256]
 
 ``hop``: two node *processes* on 127.0.0.1 with the simulated backend (no model, so only
@@ -47,11 +47,11 @@ from pathlib import Path
 
 import trio
 
-from prefixmesh.inference.blocks import chain_hashes
+from prefixmesh.inference.core.blocks import chain_hashes
 from prefixmesh.node.client import Client
 from prefixmesh.node.config import load_config
 from prefixmesh.node.daemon import Node, NodeOptions
-from prefixmesh.overlay.identity import Identity, peer_id_from_b58
+from prefixmesh.overlay.core.identity import Identity, peer_id_from_b58
 
 
 def _pct(values, q):
@@ -390,7 +390,7 @@ def bench_convergence(n: int, trials: int, interval: float, fanout: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixmesh.overlay.benchmark")
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.bench.overlay")
     sub = p.add_subparsers(dest="which", required=True)
     h = sub.add_parser("hop")
     h.add_argument("--requests", type=int, default=200)

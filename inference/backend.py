@@ -30,8 +30,8 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
-from prefixmesh.inference.blocks import chain_hashes
-from prefixmesh.inference.radix import RadixTree
+from prefixmesh.inference.core.blocks import chain_hashes
+from prefixmesh.inference.core.radix import RadixTree
 
 __all__ = [
     "BackendError",

@@ -129,7 +129,7 @@ MAX_ADDRS = 16
 MAX_MAX_TOKENS = 32_768
 MAX_SUMMARY_HASH_BYTES = 32
 # the holder list a partitioned router carries on to its next hop (a home's lookup answer:
-# overlay/partition.py bounds an answer to the same 256 holders)
+# overlay/core/partition.py bounds an answer to the same 256 holders)
 MAX_CARRIED_HOLDERS = 256
 MAX_DEADLINE = 1e11  # Unix seconds (year ~5138): rejects inf and absurd values
 
