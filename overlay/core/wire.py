@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -652,150 +652,191 @@ def _token_ids(f: _Fields, key: str, max_items: int) -> tuple[int, ...]:
     return struct.unpack(f"<{len(data) // 4}I", data)
 
 
+def _messages(f: _Fields) -> tuple[Message, ...]:
+    messages = []
+    for i, m in enumerate(f.list("msg", MAX_MESSAGES)):
+        pair = _list(m, f"request.msg[{i}]", 2)
+        if len(pair) != 2:
+            raise InvalidField(f"request.msg[{i}]: expected [role, content]")
+        messages.append(
+            Message(
+                _str(pair[0], f"request.msg[{i}].role", MAX_SHORT_STRING),
+                _str(pair[1], f"request.msg[{i}].content", MAX_TEXT_CHARS),
+            )
+        )
+    return tuple(messages)
+
+
+def _sampling(v: Any) -> Sampling:
+    s = _list(v, "request.s", 4)
+    if len(s) != 4:
+        raise InvalidField("request.s: expected [max_tokens, temperature, top_p, seed]")
+    return Sampling(
+        max_tokens=_int(s[0], "request.s.max_tokens", 0, MAX_MAX_TOKENS),
+        temperature=_float(s[1], "request.s.temperature", 0.0, 100.0),
+        top_p=_float(s[2], "request.s.top_p", 0.0, 1.0),
+        seed=_int(s[3], "request.s.seed", 0, 0xFFFFFFFF),
+    )
+
+
+def _request_from(obj: dict) -> Request:
+    keys = ("t", "id", "ns", "cr", "msg", "tok", "s", "dl", "hb", "v", "tr", "st")
+    f = _Fields(obj, "request", (*keys, "ho") if "ho" in obj else keys)
+    messages = _messages(f)
+    tokens = _token_ids(f, "tok", MAX_PROMPT_TOKENS)
+    if not messages and not tokens:
+        raise InvalidField("request: neither messages nor tokens")
+    sampling = _sampling(obj["s"])
+    visited = tuple(
+        _bytes(v, f"request.v[{i}]", MAX_ID_BYTES) for i, v in enumerate(f.list("v", MAX_HOPS))
+    )
+    return Request(
+        id=f.bytes("id", MAX_ID_BYTES),
+        ns=f.bytes("ns", MAX_ID_BYTES),
+        credential=f.bytes("cr", MAX_ID_BYTES),
+        messages=messages,
+        tokens=tokens,
+        sampling=sampling,
+        deadline=f.float("dl", 0.0, MAX_DEADLINE),
+        hop_budget=f.int("hb", 0, MAX_HOPS),
+        visited=visited,
+        trace=_hops(f, "tr"),
+        stream=f.bool("st"),
+        holders=_holders(f) if "ho" in obj else (),
+    )
+
+
+def _tokens_from(obj: dict) -> Tokens:
+    f = _Fields(obj, "tokens", ("t", "x", "ids"))
+    return Tokens(text=f.str("x", MAX_TEXT_CHARS), token_ids=_token_ids(f, "ids", MAX_CHUNK_TOKENS))
+
+
+def _final_from(obj: dict) -> Final:
+    f = _Fields(obj, "final", ("t", "id", "en", "sv", "pt", "ct", "gt", "tt", "tm", "fr", "hp"))
+    prompt_tokens = f.int("pt", 0, MAX_PROMPT_TOKENS)
+    cached = f.int("ct", 0, MAX_PROMPT_TOKENS)
+    if cached > prompt_tokens:
+        raise InvalidField("final: cached tokens exceed prompt tokens")
+    return Final(
+        id=f.bytes("id", MAX_ID_BYTES),
+        entry=f.bytes("en", MAX_ID_BYTES),
+        serving=f.bytes("sv", MAX_ID_BYTES),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        completion_tokens=f.int("gt", 0, MAX_MAX_TOKENS),
+        ttft_ms=f.float("tt", -1.0, _BIG),
+        total_ms=f.float("tm", -1.0, _BIG),
+        finish_reason=f.str("fr", MAX_SHORT_STRING),
+        hops=_hops(f, "hp"),
+    )
+
+
+def _end_from(obj: dict) -> End:
+    _Fields(obj, "end", ("t",))
+    return End()
+
+
+def _error_from(obj: dict) -> Error:
+    f = _Fields(obj, "error", ("t", "c", "m"))
+    code = f.str("c", MAX_SHORT_STRING)
+    if code not in ERROR_CODES:
+        raise InvalidField(f"error: unknown code {code!r}")
+    return Error(code=code, message=f.str("m", MAX_ERROR_CHARS))
+
+
+def _ping_from(obj: dict) -> Ping:
+    f = _Fields(obj, "ping", ("t", "n"))
+    return Ping(nonce=f.int("n", 0, 2**63 - 1))
+
+
+def _pong_from(obj: dict) -> Pong:
+    keys = ("t", "n", "q", "a", "h") if "h" in obj else ("t", "n", "q", "a")
+    f = _Fields(obj, "pong", keys)
+    summary_hash = f.bytes("h", MAX_SUMMARY_HASH_BYTES) if "h" in obj else b""
+    if "h" in obj and not summary_hash:
+        raise InvalidField("pong.h: an empty summary hash is sent by omitting the key")
+    return Pong(
+        nonce=f.int("n", 0, 2**63 - 1),
+        queue_depth=f.int("q", 0, 2**31 - 1),
+        active=f.int("a", 0, 2**31 - 1),
+        summary_hash=summary_hash,
+    )
+
+
+def _peers_query_from(obj: dict) -> PeersQuery:
+    _Fields(obj, "peers_query", ("t",))
+    return PeersQuery()
+
+
+def _peer_info_from(p: Any, w: str) -> PeerInfo:
+    row = _list(p, w, 10)
+    if len(row) != 10:
+        raise InvalidField(f"{w}: expected 10 fields")
+    return PeerInfo(
+        peer=_bytes(row[0], w + ".peer", MAX_ID_BYTES),
+        addrs=tuple(
+            _str(a, w + ".addrs", MAX_SHORT_STRING) for a in _list(row[1], w + ".addrs", MAX_ADDRS)
+        ),
+        connected=bool(row[2]) if isinstance(row[2], bool) else _bad(w + ".connected"),
+        up=bool(row[3]) if isinstance(row[3], bool) else _bad(w + ".up"),
+        rtt_ms=_float(row[4], w + ".rtt_ms", -1.0, _BIG),
+        queue_depth=_int(row[5], w + ".queue_depth", 0, 2**31 - 1),
+        active=_int(row[6], w + ".active", 0, 2**31 - 1),
+        n_hashes=_int(row[7], w + ".n_hashes", 0, 2**31 - 1),
+        digest_age_s=_float(row[8], w + ".digest_age_s", -1.0, _BIG),
+        sources=tuple(
+            _str(x, w + ".sources", MAX_SHORT_STRING) for x in _list(row[9], w + ".sources", 8)
+        ),
+    )
+
+
+def _peers_reply_from(obj: dict) -> PeersReply:
+    f = _Fields(obj, "peers_reply", ("t", "me", "md", "ad", "ps", "sx"))
+    peers = tuple(
+        _peer_info_from(p, f"peers_reply.ps[{i}]")
+        for i, p in enumerate(f.list("ps", MAX_PEERS_LISTED))
+    )
+    stats_obj = obj["sx"]
+    if not isinstance(stats_obj, dict) or len(stats_obj) > 256:
+        raise InvalidField("peers_reply.sx: expected a map of at most 256 counters")
+    stats = {
+        _str(k, "peers_reply.sx key", MAX_SHORT_STRING): _int(v, "peers_reply.sx", 0, 2**63 - 1)
+        for k, v in stats_obj.items()
+    }
+    return PeersReply(
+        self_peer=f.bytes("me", MAX_ID_BYTES),
+        model=f.bytes("md", MAX_ID_BYTES),
+        addrs=tuple(_str(a, "peers_reply.ad", MAX_SHORT_STRING) for a in f.list("ad", MAX_ADDRS)),
+        peers=peers,
+        stats=stats,
+    )
+
+
+#: The decoder of each frame type, by its ``"t"`` value (the one place a type is named
+#: on the decoding side; ``_to_obj`` is its encoding counterpart).
+_DECODERS: dict[str, Callable[[dict], Frame]] = {
+    "req": _request_from,
+    "tok": _tokens_from,
+    "fin": _final_from,
+    "end": _end_from,
+    "err": _error_from,
+    "ping": _ping_from,
+    "pong": _pong_from,
+    "pq": _peers_query_from,
+    "pr": _peers_reply_from,
+}
+
+
 def _from_obj(obj: Any) -> Frame:
     if not isinstance(obj, dict):
         raise MalformedFrame(f"frame is not a map but {type(obj).__name__}")
     t = obj.get("t")
     if not isinstance(t, str):
         raise UnknownFrameType(f"frame type {t!r} is not text")
-    if t == "req":
-        keys = ("t", "id", "ns", "cr", "msg", "tok", "s", "dl", "hb", "v", "tr", "st")
-        f = _Fields(obj, "request", (*keys, "ho") if "ho" in obj else keys)
-        messages = []
-        for i, m in enumerate(f.list("msg", MAX_MESSAGES)):
-            pair = _list(m, f"request.msg[{i}]", 2)
-            if len(pair) != 2:
-                raise InvalidField(f"request.msg[{i}]: expected [role, content]")
-            messages.append(
-                Message(
-                    _str(pair[0], f"request.msg[{i}].role", MAX_SHORT_STRING),
-                    _str(pair[1], f"request.msg[{i}].content", MAX_TEXT_CHARS),
-                )
-            )
-        tokens = _token_ids(f, "tok", MAX_PROMPT_TOKENS)
-        if not messages and not tokens:
-            raise InvalidField("request: neither messages nor tokens")
-        s = _list(obj["s"], "request.s", 4)
-        if len(s) != 4:
-            raise InvalidField("request.s: expected [max_tokens, temperature, top_p, seed]")
-        sampling = Sampling(
-            max_tokens=_int(s[0], "request.s.max_tokens", 0, MAX_MAX_TOKENS),
-            temperature=_float(s[1], "request.s.temperature", 0.0, 100.0),
-            top_p=_float(s[2], "request.s.top_p", 0.0, 1.0),
-            seed=_int(s[3], "request.s.seed", 0, 0xFFFFFFFF),
-        )
-        visited = tuple(
-            _bytes(v, f"request.v[{i}]", MAX_ID_BYTES) for i, v in enumerate(f.list("v", MAX_HOPS))
-        )
-        return Request(
-            id=f.bytes("id", MAX_ID_BYTES),
-            ns=f.bytes("ns", MAX_ID_BYTES),
-            credential=f.bytes("cr", MAX_ID_BYTES),
-            messages=tuple(messages),
-            tokens=tokens,
-            sampling=sampling,
-            deadline=f.float("dl", 0.0, MAX_DEADLINE),
-            hop_budget=f.int("hb", 0, MAX_HOPS),
-            visited=visited,
-            trace=_hops(f, "tr"),
-            stream=f.bool("st"),
-            holders=_holders(f) if "ho" in obj else (),
-        )
-    if t == "tok":
-        f = _Fields(obj, "tokens", ("t", "x", "ids"))
-        return Tokens(
-            text=f.str("x", MAX_TEXT_CHARS), token_ids=_token_ids(f, "ids", MAX_CHUNK_TOKENS)
-        )
-    if t == "fin":
-        f = _Fields(obj, "final", ("t", "id", "en", "sv", "pt", "ct", "gt", "tt", "tm", "fr", "hp"))
-        prompt_tokens = f.int("pt", 0, MAX_PROMPT_TOKENS)
-        cached = f.int("ct", 0, MAX_PROMPT_TOKENS)
-        if cached > prompt_tokens:
-            raise InvalidField("final: cached tokens exceed prompt tokens")
-        return Final(
-            id=f.bytes("id", MAX_ID_BYTES),
-            entry=f.bytes("en", MAX_ID_BYTES),
-            serving=f.bytes("sv", MAX_ID_BYTES),
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached,
-            completion_tokens=f.int("gt", 0, MAX_MAX_TOKENS),
-            ttft_ms=f.float("tt", -1.0, _BIG),
-            total_ms=f.float("tm", -1.0, _BIG),
-            finish_reason=f.str("fr", MAX_SHORT_STRING),
-            hops=_hops(f, "hp"),
-        )
-    if t == "end":
-        _Fields(obj, "end", ("t",))
-        return End()
-    if t == "err":
-        f = _Fields(obj, "error", ("t", "c", "m"))
-        code = f.str("c", MAX_SHORT_STRING)
-        if code not in ERROR_CODES:
-            raise InvalidField(f"error: unknown code {code!r}")
-        return Error(code=code, message=f.str("m", MAX_ERROR_CHARS))
-    if t == "ping":
-        f = _Fields(obj, "ping", ("t", "n"))
-        return Ping(nonce=f.int("n", 0, 2**63 - 1))
-    if t == "pong":
-        keys = ("t", "n", "q", "a", "h") if "h" in obj else ("t", "n", "q", "a")
-        f = _Fields(obj, "pong", keys)
-        summary_hash = f.bytes("h", MAX_SUMMARY_HASH_BYTES) if "h" in obj else b""
-        if "h" in obj and not summary_hash:
-            raise InvalidField("pong.h: an empty summary hash is sent by omitting the key")
-        return Pong(
-            nonce=f.int("n", 0, 2**63 - 1),
-            queue_depth=f.int("q", 0, 2**31 - 1),
-            active=f.int("a", 0, 2**31 - 1),
-            summary_hash=summary_hash,
-        )
-    if t == "pq":
-        _Fields(obj, "peers_query", ("t",))
-        return PeersQuery()
-    if t == "pr":
-        f = _Fields(obj, "peers_reply", ("t", "me", "md", "ad", "ps", "sx"))
-        peers = []
-        for i, p in enumerate(f.list("ps", MAX_PEERS_LISTED)):
-            w = f"peers_reply.ps[{i}]"
-            row = _list(p, w, 10)
-            if len(row) != 10:
-                raise InvalidField(f"{w}: expected 10 fields")
-            peers.append(
-                PeerInfo(
-                    peer=_bytes(row[0], w + ".peer", MAX_ID_BYTES),
-                    addrs=tuple(
-                        _str(a, w + ".addrs", MAX_SHORT_STRING)
-                        for a in _list(row[1], w + ".addrs", MAX_ADDRS)
-                    ),
-                    connected=bool(row[2]) if isinstance(row[2], bool) else _bad(w + ".connected"),
-                    up=bool(row[3]) if isinstance(row[3], bool) else _bad(w + ".up"),
-                    rtt_ms=_float(row[4], w + ".rtt_ms", -1.0, _BIG),
-                    queue_depth=_int(row[5], w + ".queue_depth", 0, 2**31 - 1),
-                    active=_int(row[6], w + ".active", 0, 2**31 - 1),
-                    n_hashes=_int(row[7], w + ".n_hashes", 0, 2**31 - 1),
-                    digest_age_s=_float(row[8], w + ".digest_age_s", -1.0, _BIG),
-                    sources=tuple(
-                        _str(x, w + ".sources", MAX_SHORT_STRING)
-                        for x in _list(row[9], w + ".sources", 8)
-                    ),
-                )
-            )
-        stats_obj = obj["sx"]
-        if not isinstance(stats_obj, dict) or len(stats_obj) > 256:
-            raise InvalidField("peers_reply.sx: expected a map of at most 256 counters")
-        stats = {
-            _str(k, "peers_reply.sx key", MAX_SHORT_STRING): _int(v, "peers_reply.sx", 0, 2**63 - 1)
-            for k, v in stats_obj.items()
-        }
-        return PeersReply(
-            self_peer=f.bytes("me", MAX_ID_BYTES),
-            model=f.bytes("md", MAX_ID_BYTES),
-            addrs=tuple(
-                _str(a, "peers_reply.ad", MAX_SHORT_STRING) for a in f.list("ad", MAX_ADDRS)
-            ),
-            peers=tuple(peers),
-            stats=stats,
-        )
-    raise UnknownFrameType(f"unknown frame type {t[:32]!r}")
+    decoder = _DECODERS.get(t)
+    if decoder is None:
+        raise UnknownFrameType(f"unknown frame type {t[:32]!r}")
+    return decoder(obj)
 
 
 def _bad(what: str) -> bool:
