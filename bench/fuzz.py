@@ -944,6 +944,42 @@ def _wire_frames() -> list[Any]:
     ]
 
 
+@_builder("cbor")
+def _cbor_target() -> Target:
+    # the shared bounded scanner every codec runs first (overlay/core/cbor.py), fuzzed on
+    # its own so a scanner bug shows here and not only through one codec's schema
+    from prefixmesh.overlay.core import cbor
+
+    def run(data: bytes) -> object:
+        return cbor.loads(data, max_depth=8, max_items=4096)
+
+    values: list[Any] = [
+        0, -1, 2**64 - 1, 1.5, math.inf, None, True, False, "", "t\u00e9xt", b"", b"\x00" * 40,
+        [], {}, [1, [2, [3, [4, [5, [6, [7]]]]]]], {"a": [1.5, None, True], "b": {b"k": b"v"}},
+        [[b"p" * 38, 3, [2, 1, 420.0, 120.0], 1.7e9]] * 4,
+    ]
+    seeds = [cbor2.dumps(v, canonical=True) for v in values]
+    n = 512 * 1024
+    crafted = [
+        ("max-array-of-zeros", b"\x9a" + (n - 5).to_bytes(4, "big") + b"\x00" * (n - 5)),
+        ("lying-8-byte-length", b"\x5b" + (2**60).to_bytes(8, "big") + b"\x00" * 64),
+        ("deep-nesting", b"\x81" * 4096 + b"\x00"),
+    ]
+    return Target(
+        "cbor",
+        "overlay.core.cbor.loads",
+        (cbor.CborError,),
+        run,
+        seeds,
+        structured=_cbor_structured,
+        crafted=crafted,
+        cbor=True,
+        nest_open=b"\x81",
+        max_random_len=2048,
+        mem_bound=lambda n: 16 * n + (4 << 20),
+    )
+
+
 @_builder("wire")
 def _wire_target() -> Target:
     from prefixmesh.overlay.core.wire import MAX_FRAME_BYTES, WireError, decode_body, encode_frame

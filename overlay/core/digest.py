@@ -64,15 +64,10 @@ Limits (module constants)
 
 Bounded decoding
 ----------------
-:func:`loads_bounded` first walks the CBOR item headers iteratively (no recursion) and
-rejects anything outside the small grammar we use: indefinite-length items, tags
-(cbor2 would turn them into datetimes, decimals, regexes...), simple values other than
-false/true/null, reserved encodings, nesting deeper than the limit, and any declared
-length or item count larger than the bytes that remain (so a header declaring a
-2^60-byte string or array is refused in O(1), whatever cbor2 would have done with it).
-Only then does cbor2 parse the bytes. (Measured with cbor2 6.3: it too survives such a
-header by reading in chunks, and caps nesting at 400; our scan makes the bound ours
-and the grammar strict.)
+:func:`loads_bounded` checks the size, then runs the shared bounded scanner
+(:mod:`.cbor`: no recursion, strict grammar, every declared length checked against the
+bytes left, at most ``max_items`` items) before cbor2 parses, and maps its errors to
+this module's :class:`DigestError` types.
 
 Errors
 ------
@@ -94,6 +89,7 @@ from dataclasses import dataclass
 
 import cbor2
 
+from . import cbor
 from .identity import (
     ED25519_PUBLIC_KEY_BYTES,
     ED25519_SIGNATURE_BYTES,
@@ -259,73 +255,6 @@ class SignedRecord:
 # --- bounded CBOR -----------------------------------------------------------------------
 
 
-def _scan_cbor(data: bytes, max_depth: int, max_items: int) -> str | None:
-    """Check that ``data`` is exactly one CBOR item in our strict grammar.
-
-    Returns None if fine, else a description of the first problem. Iterative: the work
-    is O(len(data)) and the stack is bounded by ``max_depth``.
-    """
-    n = len(data)
-    pos = 0
-    # pending[i] = items still to read in the container at depth i (the root counts 1)
-    pending = [1]
-    items = 0
-    while pending:
-        if pending[-1] == 0:
-            pending.pop()
-            continue
-        pending[-1] -= 1
-        items += 1
-        if items > max_items:
-            return f"more than {max_items} CBOR items"
-        if pos >= n:
-            return "truncated CBOR item"
-        initial = data[pos]
-        pos += 1
-        major, info = initial >> 5, initial & 0x1F
-        if info < 24:
-            arg = info
-        elif info <= 27:
-            width = 1 << (info - 24)
-            if pos + width > n:
-                return "truncated CBOR header"
-            arg = int.from_bytes(data[pos : pos + width], "big")
-            pos += width
-        elif info == 31:
-            return "indefinite-length CBOR item"
-        else:
-            return f"reserved CBOR additional info {info}"
-        if major in (0, 1):
-            continue
-        if major in (2, 3):
-            if arg > n - pos:
-                return f"CBOR string declares {arg} bytes, only {n - pos} remain"
-            pos += arg
-            continue
-        if major in (4, 5):
-            count = arg * 2 if major == 5 else arg
-            # every item takes at least one byte, so a count beyond the rest is a lie
-            if count > n - pos:
-                return f"CBOR container declares {count} items, only {n - pos} bytes remain"
-            if count:
-                if len(pending) > max_depth:
-                    return f"CBOR nesting deeper than {max_depth}"
-                pending.append(count)
-            continue
-        if major == 6:
-            return "CBOR tags are not allowed"
-        # major 7: simple values and floats
-        if info < 24:
-            if arg not in (20, 21, 22):  # false, true, null
-                return f"CBOR simple value {arg} is not allowed"
-        elif info == 24:
-            return "CBOR simple value is not allowed"
-        # info 25/26/27: half/single/double float, width already consumed
-    if pos != n:
-        return f"{n - pos} trailing bytes after the CBOR item"
-    return None
-
-
 def loads_bounded(
     data: bytes,
     *,
@@ -346,13 +275,12 @@ def loads_bounded(
     data = bytes(data)
     if len(data) > max_bytes:
         raise oversize_error(f"{len(data)} bytes exceeds the {max_bytes}-byte limit")
-    problem = _scan_cbor(data, max_depth, len(data) if max_items is None else max_items)
-    if problem is not None:
-        raise error(problem)
     try:
-        return cbor2.loads(data)
-    except Exception as exc:  # cbor2 raises assorted ValueError/CBORError subclasses
-        raise error(f"invalid CBOR: {exc}") from None
+        return cbor.loads(
+            data, max_depth=max_depth, max_items=len(data) if max_items is None else max_items
+        )
+    except cbor.CborError as exc:
+        raise error(str(exc)) from None
 
 
 # --- encoding ---------------------------------------------------------------------------

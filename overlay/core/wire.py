@@ -39,7 +39,8 @@ subclass and the stream is dropped; nothing is truncated silently):
 * :data:`MAX_CBOR_DEPTH` nesting levels; CBOR tags, indefinite lengths, undefined and
   simple values are refused before the CBOR library sees the bytes.
 
-Pure code: imports ``cbor2`` only (no trio, libp2p or llama); clocks are never read.
+Pure code: imports ``cbor2`` and the pure ``cbor`` scanner only (no trio, libp2p or llama);
+clocks are never read.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cbor2
+
+from . import cbor
 
 __all__ = [
     "INFER_PROTOCOL",
@@ -426,85 +429,19 @@ def encode_frame(frame: Frame) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-# --- decoding: a structural pre-scan, then cbor2, then a schema check -------------------
-
-
-def _scan_cbor(body: bytes) -> None:
-    """Walk the CBOR item structure without building objects.
-
-    Refuses what the accepted subset excludes (tags, indefinite lengths, simple values
-    other than false/true/null, nesting deeper than :data:`MAX_CBOR_DEPTH`) and any
-    declared length that exceeds the bytes left, so the CBOR library never allocates
-    for an absurd length and never recurses deeply.
-    """
-    n = len(body)
-    pos = 0
-    # stack of remaining item counts per open container
-    stack: list[int] = []
-
-    def head(p: int) -> tuple[int, int, int]:
-        if p >= n:
-            raise MalformedFrame("CBOR item truncated")
-        ib = body[p]
-        major, info = ib >> 5, ib & 0x1F
-        p += 1
-        if info < 24:
-            return major, info, p
-        if info in (24, 25, 26, 27):
-            size = 1 << (info - 24)
-            if p + size > n:
-                raise MalformedFrame("CBOR head truncated")
-            return major, int.from_bytes(body[p : p + size], "big"), p + size
-        raise MalformedFrame(f"CBOR additional info {info} (indefinite or reserved) refused")
-
-    top = True
-    seen = 0
-    while top or stack:
-        if not top:
-            if stack[-1] == 0:
-                stack.pop()
-                continue
-            stack[-1] -= 1
-        top = False
-        seen += 1
-        if seen > MAX_CBOR_ITEMS:
-            raise LimitExceeded(f"frame has more than {MAX_CBOR_ITEMS} CBOR items")
-        ib = body[pos] if pos < n else None
-        major, arg, pos = head(pos)
-        if major in (0, 1):
-            pass
-        elif major in (2, 3):
-            if arg > n - pos:
-                raise MalformedFrame(f"CBOR string of {arg} bytes exceeds the frame")
-            pos += arg
-        elif major in (4, 5):
-            items = arg * (2 if major == 5 else 1)
-            if items > n - pos:
-                raise MalformedFrame(f"CBOR container of {arg} items exceeds the frame")
-            if len(stack) >= MAX_CBOR_DEPTH:
-                raise MalformedFrame(f"CBOR nesting deeper than {MAX_CBOR_DEPTH}")
-            stack.append(items)
-        elif major == 6:
-            raise MalformedFrame("CBOR tags are not accepted")
-        else:  # major 7
-            info = ib & 0x1F if ib is not None else 0
-            if info in (20, 21, 22, 25, 26, 27):  # false, true, null, float16/32/64
-                pass
-            else:
-                raise MalformedFrame(f"CBOR simple value (info {info}) not accepted")
-    if pos != n:
-        raise MalformedFrame(f"{n - pos} trailing bytes after the CBOR item")
+# --- decoding: the bounded pre-scan and cbor2 (overlay/core/cbor.py), then a schema check
 
 
 def decode_body(body: bytes) -> Frame:
     """Decode one frame body (without its length prefix); raises :class:`WireError`."""
     if len(body) > MAX_FRAME_BYTES:
         raise OversizeFrame(f"frame body of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
-    _scan_cbor(body)
     try:
-        obj = cbor2.loads(body)
-    except Exception as exc:  # cbor2 raises several types (CBORDecodeError, ValueError, ...)
-        raise MalformedFrame(f"CBOR decoding failed: {exc}") from None
+        obj = cbor.loads(body, max_depth=MAX_CBOR_DEPTH, max_items=MAX_CBOR_ITEMS)
+    except cbor.TooManyItems as exc:
+        raise LimitExceeded(f"frame has {exc}") from None
+    except cbor.CborError as exc:
+        raise MalformedFrame(str(exc)) from None
     frame = _from_obj(obj)
     try:
         canonical = cbor2.dumps(obj, canonical=True)
