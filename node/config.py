@@ -50,6 +50,9 @@ Sections and keys (defaults in parentheses; see ``examples/volunteer-node.toml``
 ``[http]``
     ``listen`` ("": off) ``HOST:PORT`` of the HTTP gateway; ``api_key`` (""). A gateway on a
     non-loopback address requires an api_key.
+``[metrics]``
+    ``listen`` ("": off) ``HOST:PORT`` serving only ``/metrics``, ``/prefixmesh/overview`` and
+    ``/dashboard`` (for a node without the gateway; off loopback it requires [http].api_key).
 ``[client]`` (used by ``chat``/``ask``/``peers``)
     ``peer`` (""): the node to talk to, a multiaddr with ``/p2p/ID``; ``tenant`` ("public");
     ``max_tokens`` (512).
@@ -544,6 +547,12 @@ class HttpSection:
 
 
 @dataclass
+class MetricsSection:
+    listen: str = _f("", check=_http_addr,
+                     doc='HOST:PORT of /metrics and the dashboard alone ("" = off; node/metrics.py)')
+
+
+@dataclass
 class ClientSection:
     peer: str = _f("", check=_opt_peer,
                    doc="node the CLI client talks to (multiaddr with /p2p/PEER_ID)")
@@ -558,6 +567,7 @@ _SECTIONS: dict[str, type] = {
     "routing": RoutingSection,
     "limits": LimitsSection,
     "http": HttpSection,
+    "metrics": MetricsSection,
     "client": ClientSection,
 }
 
@@ -570,6 +580,7 @@ class Config:
     routing: RoutingSection = field(default_factory=RoutingSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     http: HttpSection = field(default_factory=HttpSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     client: ClientSection = field(default_factory=ClientSection)
     tenants: dict[str, TenantSpec] = field(default_factory=dict)
     source: Path | None = field(default=None, compare=False)
@@ -816,6 +827,11 @@ def _check_cross(cfg: Config, where: Callable[[str], str]) -> None:
                 f'"{cfg.http.listen}" is reachable from other machines; set [http].api_key '
                 "or [http.keys]",
             )
+    if cfg.metrics.listen:  # operator endpoints: only the unbound [http].api_key opens them
+        host, _port = _split_host_port(cfg.metrics.listen)
+        if host is not None and not is_loopback_host(host) and not cfg.http.api_key:
+            raise ConfigError(where("metrics.listen"), f'"{cfg.metrics.listen}" is reachable '
+                              "from other machines; set [http].api_key")
     for tenant in cfg.http.keys.values():
         if tenant != "public" and tenant not in cfg.tenants:
             raise ConfigError("[http.keys]", f'a key is bound to "{tenant}", which is not a '

@@ -5,6 +5,11 @@ Endpoints
     ``POST /v1/completions`` (streaming as server-sent events ending in ``data: [DONE]``, or
     one JSON answer), ``GET /prefixmesh/status`` (the node's in-flight requests and engine
     load, for operators and tests) and ``GET /healthz`` (no key needed).
+    For operators: ``GET /metrics`` (Prometheus text format, ``node/metrics.py``),
+    ``GET /prefixmesh/overview`` (the node, its peers, cached prefixes by namespace and the
+    last route traces as JSON, ``node/status.py``) and ``GET /dashboard`` (a web page that
+    polls the overview; static files in ``node/dashboard/``). With the gateway off,
+    ``[metrics] listen`` serves only these (and ``/healthz``) on their own address.
 
 How a request enters the mesh
     Exactly like a CLI client's: the gateway builds a ``/prefixmesh/infer`` REQUEST
@@ -31,6 +36,10 @@ Authentication and tenants
     ``x-prefixmesh-tenant`` header picks a tenant among those the key may use (an unbound
     key: every configured tenant). Without header, a bound key uses its tenant, others
     the default tenant (``[client].tenant`` if configured, else the first tenant).
+    ``/metrics`` and ``/prefixmesh/overview`` show the whole node (every namespace's cache
+    sizes, peers): they need a key that is not bound to a tenant (403 otherwise). The
+    dashboard's static files carry no data and need no key; the page sends the key it is
+    given (``/dashboard#key=KEY``, kept in the tab's session storage) with each poll.
 
 Limits
     Request bodies: :data:`~prefixmesh.node.openai_schema.MAX_BODY_BYTES` (1 MiB), checked
@@ -59,7 +68,10 @@ small ASGI application, in the node's own trio event loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hmac
+import importlib.resources
 import json
 import logging
 import math
@@ -265,6 +277,10 @@ class GatewayBackend(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    # optional (a backend without them answers 404): the operator endpoints
+    # def metrics_text(self) -> bytes          -- Prometheus exposition
+    # def overview(self) -> dict[str, Any]     -- node/status.py overview
+
 
 # --- tenant resolution (pure) ----------------------------------------------------------
 
@@ -309,6 +325,44 @@ def resolve_tenant(settings: GatewaySettings, authorization: str | None,
     return name
 
 
+def check_operator(settings: GatewaySettings, authorization: str | None) -> None:
+    """The operator endpoints' rule: with keys configured, a valid key not bound to a tenant
+    (a tenant's key must not see other tenants' cache sizes or the node's peers)."""
+    if not settings.api_keys:
+        return
+    if not authorization:
+        raise Unauthorized("missing API key: send 'Authorization: Bearer KEY'",
+                           code="missing_api_key")
+    scheme, _, token = authorization.strip().partition(" ")
+    key = _match_key(settings.api_keys, token.strip()) if scheme.lower() == "bearer" else None
+    if key is None:
+        raise Unauthorized("invalid API key")
+    if settings.api_keys[key] is not None:
+        raise PermissionDenied("this API key is bound to a tenant; metrics and the node "
+                               "overview need the node's [http].api_key")
+
+
+#: the dashboard's files (package ``prefixmesh.node.dashboard``) and their content types
+_STATIC_TYPES = {".html": b"text/html; charset=utf-8", ".js": b"text/javascript; charset=utf-8",
+                 ".css": b"text/css; charset=utf-8", ".svg": b"image/svg+xml"}
+_STATIC_CACHE: dict[str, bytes] = {}
+# the page loads only its own files and talks only to this node (no inline code, no CDN)
+_CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        b"img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def _static_file(name: str) -> bytes | None:
+    if name not in _STATIC_CACHE:
+        if "/" in name or name.startswith(".") or Path(name).suffix not in _STATIC_TYPES:
+            return None
+        try:
+            res = importlib.resources.files("prefixmesh.node.dashboard").joinpath(name)
+            _STATIC_CACHE[name] = res.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, ModuleNotFoundError):
+            return None
+    return _STATIC_CACHE[name]
+
+
 # --- the ASGI application ----------------------------------------------------------------
 
 
@@ -351,10 +405,11 @@ class GatewayApp:
     """The ASGI application (one instance per gateway)."""
 
     def __init__(self, backend: GatewayBackend, settings: GatewaySettings, *,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, api: bool = True):
         self.backend = backend
         self.settings = settings
         self.clock = clock
+        self.api = api  # False: only the operator endpoints ([metrics] listen)
         self.active = 0  # generations in flight through this gateway
         self.stats = {"requests": 0, "errors": 0, "disconnects": 0, "stopped_at_sequence": 0}
 
@@ -393,6 +448,14 @@ class GatewayApp:
             _method(method, "GET")
             await _send_json(send, 200, {"ok": True})
             return
+        if path in ("/metrics", "/prefixmesh/overview") or path.startswith("/dashboard"):
+            await self._operator(path, method, headers, receive, send)
+            return
+        if not self.api:
+            await _drain(receive, DRAIN_LIMIT_BYTES, 2.0)
+            raise NotFound(f"no such endpoint here: {method} {path} (this listener serves "
+                           "only /metrics, /prefixmesh/overview and /dashboard)",
+                           code="unknown_url")
         routes = {"/v1/models": "GET", "/v1/chat/completions": "POST",
                   "/v1/completions": "POST", "/prefixmesh/status": "GET"}
         if path in routes:
@@ -446,6 +509,46 @@ class GatewayApp:
                 await self._generate(req, job, receive, send)
             finally:
                 self.active -= 1
+
+    async def _operator(self, path: str, method: str, headers, receive, send) -> None:
+        if method != "GET":
+            await _drain(receive, DRAIN_LIMIT_BYTES, 2.0)
+            _method(method, "GET")
+        if path.startswith("/dashboard"):
+            name = path[len("/dashboard"):].lstrip("/") or "index.html"
+            body = _static_file(name)
+            if body is None:
+                raise NotFound(f"no such dashboard file: {name}", code="unknown_url")
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", _STATIC_TYPES[Path(name).suffix]),
+                (b"content-length", str(len(body)).encode()),
+                (b"content-security-policy", _CSP),
+                (b"x-content-type-options", b"nosniff"),
+                (b"referrer-policy", b"no-referrer"),
+                (b"cache-control", b"no-cache"),
+            ]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        check_operator(self.settings, headers.get("authorization"))
+        if path == "/metrics":
+            text = getattr(self.backend, "metrics_text", None)
+            if text is None:
+                raise NotFound("this node has no metrics", code="unknown_url")
+            from .metrics import CONTENT_TYPE_LATEST
+
+            body = text()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", CONTENT_TYPE_LATEST.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        ov = getattr(self.backend, "overview", None)
+        if ov is None:
+            raise NotFound("this node has no overview", code="unknown_url")
+        data = ov()
+        data["gateway"] = {"active": self.active, **self.stats} if self.api else None
+        await _send_json(send, 200, data, [(b"cache-control", b"no-store")])
 
     async def _read_body(self, receive, headers: Mapping[str, str]) -> bytes:
         limit = self.settings.max_body_bytes
@@ -769,13 +872,27 @@ class NodeGatewayBackend:
 
     def __init__(self, *, infer, backend, tenants, hop_budget: int = 2,
                  model_ids: Sequence[str] | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, node=None, metrics=None):
         self.infer = infer
         self.backend = backend
         self.tenants = tenants
         self.hop_budget = hop_budget
         self.clock = clock
         self._model_ids = list(model_ids) if model_ids else default_model_ids(backend)
+        self.node = node  # the daemon's Node: the operator endpoints read it
+        self.metrics = metrics  # its node.metrics.NodeMetrics
+
+    def metrics_text(self) -> bytes:
+        if self.metrics is None:
+            raise NotFound("this node has no metrics", code="unknown_url")
+        return self.metrics.exposition()
+
+    def overview(self) -> dict[str, Any]:
+        if self.node is None:
+            raise NotFound("this node has no overview", code="unknown_url")
+        from .status import overview
+
+        return overview(self.node, self.metrics)
 
     def model_ids(self) -> list[str]:
         return list(self._model_ids)
@@ -882,7 +999,8 @@ def default_model_ids(backend) -> list[str]:
 
 
 async def serve_http(backend: GatewayBackend, settings: GatewaySettings, *,
-                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+                     task_status=trio.TASK_STATUS_IGNORED, api: bool = True,
+                     what: str = "HTTP gateway") -> None:
     """Serve the gateway until cancelled; ``task_status.started(url)`` once bound
     (``http://HOST:PORT`` with the actual port when ``listen`` asked for port 0)."""
     try:
@@ -901,13 +1019,13 @@ async def serve_http(backend: GatewayBackend, settings: GatewaySettings, *,
     hc.graceful_timeout = 2.0
     hc.h11_max_incomplete_size = 16 * 1024
     hc.errorlog = logging.getLogger("prefixmesh.http.server")
-    app = GatewayApp(backend, settings)
+    app = GatewayApp(backend, settings, api=api)
     bound: list[str] = []
 
     class _Status:  # hypercorn reports its bound addresses here
         def started(self, binds=None) -> None:
             bound.append(binds[0] if binds else f"http://{settings.listen}")
-            log.info("HTTP gateway on %s", bound[0])
+            log.info("%s on %s", what, bound[0])
             task_status.started(bound[0])
 
     try:
@@ -916,7 +1034,7 @@ async def serve_http(backend: GatewayBackend, settings: GatewaySettings, *,
         cause = _leaf_oserror(exc)
         if bound or cause is None:
             raise
-        raise GatewayConfigError(f'HTTP gateway cannot listen on "{settings.listen}": '
+        raise GatewayConfigError(f'{what} cannot listen on "{settings.listen}": '
                                  f"{cause.strerror or cause}") from None
 
 
@@ -931,16 +1049,42 @@ def _leaf_oserror(exc: BaseException) -> OSError | None:
     return None
 
 
+def node_metrics(node):
+    """``node.metrics`` (created here if the daemon made none), registered as an observer of
+    the node's requests (``InferService``'s ``ObserverFanout``) once."""
+    from prefixmesh.overlay.events import ObserverFanout
+
+    from .metrics import NodeMetrics
+
+    metrics = getattr(node, "metrics", None)
+    if metrics is None:
+        metrics = node.metrics = NodeMetrics(node)
+    fanout = getattr(node.infer, "observer", None)
+    if isinstance(fanout, ObserverFanout) and metrics not in fanout.observers:
+        fanout.add(metrics)
+    return metrics
+
+
 async def serve_node_http(node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """The daemon's hook: serve the gateway of ``node`` (a ``node.daemon.Node``) when
-    ``[http].listen`` is set; returns at once (after ``started(None)``) when it is not."""
+    ``[http].listen`` is set, and the operator endpoints alone on ``[metrics].listen`` when
+    that is set; ``task_status.started(url)`` once all are bound (the gateway's URL, else
+    the metrics one, else None when neither is set: then it returns at once)."""
     cfg = node.config
-    if not cfg.http.listen:
+    metrics_listen = getattr(getattr(cfg, "metrics", None), "listen", "") or ""
+    if not cfg.http.listen and not metrics_listen:
         task_status.started(None)
         return
     settings = settings_from_config(cfg)
     backend = NodeGatewayBackend(infer=node.infer, backend=node.backend, tenants=node.tenants,
-                                 hop_budget=cfg.routing.hop_budget)
-    await serve_http(backend, settings, task_status=task_status)
-
-
+                                 hop_budget=cfg.routing.hop_budget, node=node,
+                                 metrics=node_metrics(node))
+    async with trio.open_nursery() as nursery:
+        urls = []
+        if cfg.http.listen:
+            urls.append(await nursery.start(functools.partial(serve_http, backend, settings)))
+        if metrics_listen:
+            ops = dataclasses.replace(settings, listen=metrics_listen)
+            urls.append(await nursery.start(functools.partial(
+                serve_http, backend, ops, api=False, what="metrics and dashboard")))
+        task_status.started(urls[0])

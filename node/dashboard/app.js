@@ -1,0 +1,162 @@
+// prefixmesh node dashboard: polls /prefixmesh/overview and renders it.
+// Every value from the node (and from its peers, e.g. addresses) goes into the page through
+// textContent, never as HTML: a peer must not be able to inject markup.
+"use strict";
+
+const POLL_MS = 2000;
+const KEY_ITEM = "prefixmesh-api-key";
+
+function apiKey() {
+  // #key=KEY in the URL (a fragment never reaches a server log), then this tab's storage
+  const m = /(?:^|[#&])key=([^&]+)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem(KEY_ITEM, decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname);
+  }
+  return sessionStorage.getItem(KEY_ITEM) || "";
+}
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) {
+    node.append(c instanceof Node ? c : document.createTextNode(c == null ? "-" : String(c)));
+  }
+  return node;
+}
+
+function size(n) {
+  if (n == null) return "-";
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return i === 0 ? `${n} B` : `${n.toFixed(1)} ${units[i]}`;
+}
+
+function short(id) { return id ? id.slice(-8) : "-"; }
+function fixed(x, d) { return x == null ? "-" : Number(x).toFixed(d); }
+
+function renderSelf(me) {
+  document.getElementById("node-id").textContent = me.peer_id;
+  document.title = `prefixmesh ${short(me.peer_id)}`;
+  const e = me.engine || {};
+  const inf = me.infer || {};
+  const facts = [
+    ["peer id", me.peer_id], ["addresses", (me.addrs || []).join("  ")],
+    ["model", me.model], ["policy", me.policy],
+    ["uptime", me.uptime_s == null ? "-" : `${Math.round(me.uptime_s)} s`],
+    ["engine", `${e.active ?? 0} running, ${e.queue_depth ?? 0} waiting`],
+    ["rates", `prefill ${fixed(e.prefill_tps, 0)} tok/s, decode ${fixed(e.decode_tps, 0)} tok/s`],
+    ["requests", `${inf.requests ?? 0} (served here ${inf.served_local ?? 0}, forwarded ` +
+      `${inf.forwarded ?? 0}, fallbacks ${inf.fallbacks ?? 0}, errors ${inf.errors ?? 0}), ` +
+      `in flight ${me.requests_in_flight ?? 0}`],
+  ];
+  const dl = document.getElementById("self-facts");
+  dl.replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k),
+    el("dd", { class: k === "peer id" || k === "addresses" ? "mono" : "" }, v)]));
+  const cap = e.kv_capacity_bytes || 0;
+  const used = e.kv_used_bytes || 0;
+  document.getElementById("kv-bar").style.width = cap ? `${(100 * used / cap).toFixed(1)}%` : "0";
+  document.getElementById("kv-text").textContent =
+    `KV cache (RAM) ${size(used)} of ${size(cap)}`;
+}
+
+function renderPeers(peers) {
+  const up = peers.filter((p) => p.up).length;
+  document.getElementById("peers-count").textContent = `${up} up of ${peers.length}`;
+  document.getElementById("peers-body").replaceChildren(...peers.map((p) => el("tr",
+    { class: "peer", "data-peer": p.peer_id, title: (p.addrs || []).join("\n") },
+    el("td", { class: "mono" }, p.peer_id),
+    el("td", { class: p.up ? "up" : "down" }, p.up ? "up" : "down"),
+    el("td", { class: "num" }, fixed(p.rtt_ms, 1)),
+    el("td", { class: "num" }, p.queue_depth),
+    el("td", { class: "num" }, p.active),
+    el("td", { class: "num" }, fixed(p.trust, 2)),
+    el("td", { class: "num" }, p.cached_blocks),
+    el("td", { class: "num" }, p.digest_age_s == null ? "-" : `${fixed(p.digest_age_s, 0)} s`),
+  )));
+}
+
+function renderCache(namespaces, cache) {
+  const c = cache || {};
+  document.getElementById("cache-hits").textContent = cache && c.hits_ram != null
+    ? `store hits: ${c.hits_ram} RAM, ${c.hits_disk} disk, ${c.misses} misses` : "";
+  document.getElementById("ns-body").replaceChildren(...namespaces.map((ns) => {
+    const most = Math.max(1, ...ns.largest.map((p) => p.tokens));
+    const bars = el("td", {}, ...ns.largest.slice(0, 12).map((p) => {
+      const bar = el("span", { class: "bar", title: `${p.tokens} tokens, ${size(p.bytes)}, ${p.tier}` });
+      bar.style.width = `${Math.max(2, 60 * p.tokens / most)}px`; // CSSOM: allowed by the CSP
+      return bar;
+    }));
+    bars.append(ns.largest.map((p) => p.tokens).slice(0, 6).join(" "));
+    return el("tr", { class: "ns", "data-ns": ns.name },
+      el("td", {}, ns.name), el("td", {}, ns.visibility),
+      el("td", { class: "num" }, ns.prefixes), el("td", { class: "num" }, ns.tokens),
+      el("td", { class: "num" }, size(ns.ram_bytes)), el("td", { class: "num" }, size(ns.disk_bytes)),
+      bars);
+  }));
+}
+
+function renderRecent(recent) {
+  document.getElementById("recent").replaceChildren(...recent.map((r) => {
+    const when = new Date(r.at * 1000).toLocaleTimeString();
+    const head = el("div", { class: "head" },
+      el("span", { class: "mono" }, r.id.slice(0, 8)), el("span", {}, when),
+      el("span", {}, r.entry ? "from a client" : "from a peer"),
+      el("strong", { class: "action" }, r.action));
+    if (r.error) head.append(el("span", { class: "err" }, `error ${r.error}`));
+    else head.append(
+      el("span", {}, `served by `, el("span", { class: "mono served" }, short(r.served_by))),
+      el("span", {}, `${r.cached_tokens}/${r.prompt_tokens} prompt tokens cached`),
+      el("span", {}, `TTFT ${fixed(r.ttft_ms, 0)} ms, total ${fixed(r.total_ms, 0)} ms`));
+    const hops = el("ol", { class: "hops" }, ...r.route.map((h) => el("li", { class: "hop" }, h)));
+    return el("li", { class: "request", "data-action": r.action }, head, hops);
+  }));
+}
+
+let timer = null;
+
+async function poll() {
+  const live = document.getElementById("live");
+  const headers = { Accept: "application/json" };
+  const key = apiKey();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  try {
+    const resp = await fetch("/prefixmesh/overview", { headers, cache: "no-store" });
+    if (resp.status === 401 || resp.status === 403) {
+      const body = await resp.json().catch(() => ({}));
+      document.getElementById("key-form").hidden = false;
+      document.getElementById("key-msg").textContent = body.error ? body.error.message : "";
+      live.textContent = "needs an API key";
+      live.className = "live stale";
+      return;
+    }
+    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    const ov = await resp.json();
+    renderSelf(ov.node);
+    renderPeers(ov.peers);
+    renderCache(ov.namespaces, ov.cache);
+    renderRecent(ov.recent);
+    live.textContent = `live, ${new Date(ov.generated_at * 1000).toLocaleTimeString()}`;
+    live.className = "live";
+    document.body.dataset.loaded = "1";
+  } catch (err) {
+    live.textContent = `offline (${err.message})`;
+    live.className = "live stale";
+  } finally {
+    timer = setTimeout(poll, POLL_MS);
+  }
+}
+
+document.getElementById("key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  sessionStorage.setItem(KEY_ITEM, document.getElementById("key-input").value);
+  document.getElementById("key-form").hidden = true;
+  clearTimeout(timer);
+  poll();
+});
+
+poll();

@@ -1,0 +1,291 @@
+"""One snapshot of a node for people: the dashboard's JSON and ``prefixmesh status``.
+
+:func:`overview` reads a running node (the daemon's ``Node``) and its
+:class:`~prefixmesh.node.metrics.NodeMetrics` into plain JSON-able data: this node, its
+peers (up, RTT, load, trust, digest), its cached prefixes by namespace (counts, token
+lengths, bytes, tiers: never token ids or text), the KV store's hit counters and the last
+requests' route traces. The gateway serves it at ``GET /prefixmesh/overview`` (same
+listener as ``/metrics``; the dashboard polls it), and ``prefixmesh status --peer URL``
+fetches it (:func:`fetch_overview`) and prints it as one terminal screen
+(:func:`render_text`).
+
+Why HTTP and not a libp2p protocol for ``status``: the browser dashboard needs HTTP anyway,
+so one JSON document, one auth rule and one code path serve both; a node with its gateway
+off still serves it on ``[metrics] listen``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+__all__ = ["overview", "render_text", "fetch_overview", "StatusError", "PREFIXES_LISTED",
+           "MAX_PEERS"]
+
+#: per namespace, the largest cached prefixes listed one by one
+PREFIXES_LISTED = 20
+#: peers listed (the rest are counted)
+MAX_PEERS = 64
+
+
+class StatusError(Exception):
+    """``prefixmesh status`` could not get a node's overview (message says why)."""
+
+
+def _b58(peer: bytes) -> str:
+    from prefixmesh.overlay.core.identity import peer_id_to_b58
+
+    try:
+        return peer_id_to_b58(peer) if peer else ""
+    except Exception:  # a malformed id from a peer: show it raw
+        return bytes(peer).hex()
+
+
+def _num(x: Any, nd: int = 3) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return round(x, nd) if math.isfinite(x) else None
+
+
+def overview(node: Any, metrics: Any = None, *, now: float | None = None) -> dict[str, Any]:
+    """A JSON-able snapshot of ``node`` (read on the trio thread, never blocks long)."""
+    now = time.time() if now is None else now
+    out: dict[str, Any] = {"generated_at": now, "node": _self(node, metrics, now)}
+    out["peers"] = _peers(node, now)
+    out["namespaces"], out["cache"] = _cache(node)
+    out["recent"] = _recent(metrics)
+    return out
+
+
+def _self(node, metrics, now: float) -> dict[str, Any]:
+    me: dict[str, Any] = {
+        "peer_id": node.identity.peer_id_b58,
+        "addrs": list(node.full_addrs()) if hasattr(node, "full_addrs") else [],
+        "model": bytes(getattr(node, "model_fp", b"")).hex()[:16],
+        "policy": getattr(getattr(node, "policy", None), "name", ""),
+    }
+    if metrics is not None:
+        me["uptime_s"] = round(now - metrics.started_at, 1)
+        me["requests_in_flight"] = metrics.in_flight
+    try:
+        load = node.backend.load_figures()
+        me["engine"] = {
+            "active": load.active, "queue_depth": load.queue_depth,
+            "kv_used_bytes": load.kv_used_bytes, "kv_capacity_bytes": load.kv_capacity_bytes,
+            "prefill_tps": _num(load.prefill_tps, 1) if load.prefill_measured else None,
+            "decode_tps": _num(load.decode_tps, 1),
+        }
+    except Exception:  # engine not loaded yet or closing
+        me["engine"] = None
+    infer = getattr(node, "infer", None)
+    if infer is not None:
+        keep = ("requests", "served_local", "forwarded", "fallbacks", "errors", "rate_limited")
+        me["infer"] = {k: int(infer.stats.get(k, 0)) for k in keep}
+    return me
+
+
+def _peers(node, now: float) -> list[dict[str, Any]]:
+    hb = getattr(node, "heartbeat", None)
+    health = dict(hb.health) if hb is not None else {}
+    index = getattr(node, "index", None)
+    directory = getattr(node, "directory", None)
+    known = set(health)
+    if directory is not None:
+        known |= set(directory.peers)
+    if index is not None:
+        known |= set(index.peers())
+    known.discard(node.identity.peer_id)
+    trust = getattr(getattr(node, "infer", None), "trust", None)
+    digest = getattr(node, "gossip", None) or getattr(node, "pgossip", None)
+    mono = time.monotonic()
+    rows = []
+    for peer in sorted(known)[:MAX_PEERS]:
+        h = health.get(peer)
+        est = index.estimate(peer) if index is not None else None
+        heard = digest.last_heard.get(peer) if digest is not None else None
+        addrs = (directory.addrs_of(peer) if directory is not None else []) or (
+            list(est.addrs) if est else [])
+        row: dict[str, Any] = {
+            "peer_id": _b58(peer),
+            "addrs": [str(a)[:200] for a in addrs[:4]],
+            "up": bool(h and h.up),
+            "rtt_ms": _num(h.rtt_s * 1000.0, 2) if h and h.rtt_s is not None else None,
+            "queue_depth": h.queue_depth if h else (est.load.queue_depth if est else 0),
+            "active": h.active if h else (est.load.active if est else 0),
+            "cached_blocks": est.n_hashes if est else 0,
+            "kv_used_bytes": est.kv_used_bytes if est else None,
+            "digest_age_s": _num(max(0.0, now - heard), 1) if heard else None,
+            "trust": _num(trust.trust(peer, mono)) if trust is not None else None,
+        }
+        rows.append(row)
+    return rows
+
+
+def _store_prefixes(store) -> list[tuple[bytes, int, int, str]]:
+    """(ns_id, tokens, bytes, tier) per cached prefix. ``KVStore.prefixes()`` has no sizes,
+    so read the tiers' entries under the store's own lock; on a store without them, sizes
+    are unknown (0)."""
+    try:
+        inv = {v: k for k, v in store._ns_token.items()}
+        with store._lock:
+            seen: dict[tuple[int, ...], tuple[int, str]] = {}
+            for entry in store._disk.entries():
+                seen[entry.tokens] = (entry.size_bytes, "disk")
+            for entry in store._ram.entries():
+                seen[entry.tokens] = (entry.size_bytes, "ram")
+        return [(inv.get(k[0], b""), len(k) - 1, size, tier) for k, (size, tier) in seen.items()]
+    except AttributeError:
+        return [(ns, len(tokens), 0, tier) for ns, tokens, tier in store.prefixes()]
+
+
+def _cache(node) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    store = getattr(getattr(getattr(node, "backend", None), "engine", None), "store", None)
+    tenants = getattr(node, "tenants", None)
+    by_ns: dict[bytes, dict[str, Any]] = {}
+    if tenants is not None:
+        for t in tenants:
+            by_ns[t.ns_id] = {"name": t.name, "ns_id": t.ns_id.hex(), "visibility": t.visibility,
+                              "prefixes": 0, "tokens": 0, "ram_bytes": 0, "disk_bytes": 0,
+                              "largest": []}
+    cache: dict[str, Any] = {}
+    if store is None:
+        return list(by_ns.values()), cache
+    rows = _store_prefixes(store)
+    for ns, n_tokens, size, tier in rows:
+        d = by_ns.setdefault(ns, {"name": "?", "ns_id": ns.hex(), "visibility": "?",
+                                  "prefixes": 0, "tokens": 0, "ram_bytes": 0, "disk_bytes": 0,
+                                  "largest": []})
+        d["prefixes"] += 1
+        d["tokens"] += n_tokens
+        d[f"{tier}_bytes"] += size
+        d["largest"].append({"tokens": n_tokens, "bytes": size, "tier": tier})
+    for d in by_ns.values():
+        d["largest"] = sorted(d["largest"], key=lambda e: -e["tokens"])[:PREFIXES_LISTED]
+    st = store.stats
+    cache = {"hits_ram": st.hits_ram, "hits_disk": st.hits_disk, "misses": st.misses,
+             "ram_bytes": st.ram_bytes, "ram_budget_bytes": st.ram_budget_bytes,
+             "disk_bytes": st.disk_bytes, "disk_budget_bytes": st.disk_budget_bytes}
+    return list(by_ns.values()), cache
+
+
+def _recent(metrics) -> list[dict[str, Any]]:
+    if metrics is None:
+        return []
+    out = []
+    for at, ev in reversed(metrics.recent):  # newest first
+        out.append({
+            "at": round(at, 3), "id": ev.request_id.hex()[:12], "entry": ev.entry,
+            "action": ev.action, "reason": ev.reason[:300], "served_by": _b58(ev.served_by),
+            "route": [str(r)[:300] for r in ev.route[:8]],
+            "prompt_tokens": ev.prompt_tokens, "cached_tokens": ev.cached_tokens,
+            "completion_tokens": ev.completion_tokens,
+            "ttft_ms": _num(ev.ttft_s * 1000.0, 1), "total_ms": _num(ev.total_s * 1000.0, 1),
+            "error": ev.error,
+        })
+    return out
+
+
+# --- the terminal view -------------------------------------------------------------------
+
+
+def _size(n: Any) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _short(peer_id: str) -> str:
+    return peer_id[-8:] if peer_id else "-"
+
+
+def render_text(ov: dict[str, Any], *, width: int = 100, height: int = 40) -> str:
+    """The overview as one terminal screen (at most ``height`` lines of ``width`` chars)."""
+    me = ov.get("node", {})
+    lines = [f"node {me.get('peer_id', '?')}  model {me.get('model', '?')}  "
+             f"policy {me.get('policy', '?')}  up {me.get('uptime_s', 0):.0f} s"]
+    eng = me.get("engine") or {}
+    if eng:
+        cap = eng.get("kv_capacity_bytes") or 0
+        used = eng.get("kv_used_bytes") or 0
+        pct = f"{100 * used / cap:.0f}%" if cap else "-"
+        lines.append(f"engine: {eng.get('active', 0)} running, {eng.get('queue_depth', 0)} "
+                     f"waiting; KV {_size(used)} / {_size(cap)} ({pct}); prefill "
+                     f"{eng.get('prefill_tps') or '-'} tok/s, decode {eng.get('decode_tps')} tok/s")
+    inf = me.get("infer") or {}
+    if inf:
+        lines.append("requests: " + ", ".join(f"{k} {v}" for k, v in inf.items())
+                     + f", in flight {me.get('requests_in_flight', 0)}")
+    peers = ov.get("peers", [])
+    lines.append("")
+    lines.append(f"peers ({sum(p['up'] for p in peers)} up of {len(peers)})")
+    lines.append(f"  {'peer':<10} {'up':<4} {'rtt ms':>8} {'queue':>5} {'run':>4} {'trust':>6} "
+                 f"{'blocks':>7} {'digest age':>10}")
+    for p in peers[:10]:
+        trust = "-" if p.get("trust") is None else f"{p['trust']:.2f}"
+        age = "-" if p.get("digest_age_s") is None else f"{p['digest_age_s']:.0f} s"
+        rtt = "-" if p.get("rtt_ms") is None else f"{p['rtt_ms']:.1f}"
+        lines.append(f"  {_short(p['peer_id']):<10} {'yes' if p['up'] else 'no':<4} {rtt:>8} "
+                     f"{p['queue_depth']:>5} {p['active']:>4} {trust:>6} "
+                     f"{p['cached_blocks']:>7} {age:>10}")
+    if len(peers) > 10:
+        lines.append(f"  ... {len(peers) - 10} more")
+    lines.append("")
+    c = ov.get("cache") or {}
+    lines.append("cache by namespace" + (
+        f" (store hits: {c.get('hits_ram', 0)} RAM, {c.get('hits_disk', 0)} disk, "
+        f"{c.get('misses', 0)} misses)" if c else ""))
+    for ns in ov.get("namespaces", [])[:6]:
+        lines.append(f"  {ns['name']:<16} {ns['prefixes']:>4} prefixes {ns['tokens']:>7} tokens "
+                     f" RAM {_size(ns['ram_bytes']):>10}  disk {_size(ns['disk_bytes']):>10}")
+    lines.append("")
+    recent = ov.get("recent", [])
+    lines.append(f"last requests ({len(recent)})")
+    for r in recent[: max(3, height - len(lines) - 1)]:
+        who = "client" if r["entry"] else "peer"
+        tail = f"error {r['error']}" if r["error"] else (
+            f"served by {_short(r['served_by'])}, {r['cached_tokens']}/{r['prompt_tokens']} "
+            f"cached, ttft {r['ttft_ms']} ms, total {r['total_ms']} ms")
+        lines.append(f"  {r['id'][:8]} from {who}: {r['action']}; {tail}")
+        for hop in r.get("route", [])[:3]:
+            lines.append(f"      {hop}")
+    return "\n".join(line[:width] for line in lines[:height])
+
+
+# --- fetching ----------------------------------------------------------------------------
+
+
+def status_url(peer: str) -> str:
+    """``HOST:PORT`` or ``http://HOST:PORT[/]`` -> the overview URL."""
+    base = peer.strip()
+    if not base.startswith(("http://", "https://")):
+        base = "http://" + base
+    return base.rstrip("/") + "/prefixmesh/overview"
+
+
+def fetch_overview(peer: str, *, api_key: str = "", timeout_s: float = 5.0) -> dict[str, Any]:
+    req = urllib.request.Request(status_url(peer), headers={"Accept": "application/json"})
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 (http only)
+            return json.loads(resp.read(4 << 20))
+    except urllib.error.HTTPError as exc:
+        try:
+            msg = json.loads(exc.read(64 << 10))["error"]["message"]
+        except Exception:
+            msg = exc.reason
+        raise StatusError(f"{status_url(peer)}: HTTP {exc.code}: {msg}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StatusError(f"{status_url(peer)}: {reason}") from None
