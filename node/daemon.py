@@ -27,8 +27,14 @@ counted in ``stats`` (``digest_exchanges_rate_limited``,
 Start-up prints one line per dialable address on stdout (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``)
 and then ``ready``; tests and scripts read them.
 
-Shutdown (SIGINT/SIGTERM): new requests are refused, in-flight ones are cancelled and end
-with an ERROR frame (``shutting_down``), the engine stops and flushes its KV index to disk.
+Shutdown (SIGINT/SIGTERM), within :data:`SHUTDOWN_BUDGET_S` (3 s) in every configuration:
+new requests are refused, in-flight ones are cancelled and end with an ERROR frame
+(``shutting_down``; at most 1 s), the services stop, the engine flushes its RAM-only KV
+states to disk, then the host closes. A watchdog thread exits the process when the budget
+is spent, whatever still runs (a library's blocking call, zeroconf's thread): KV files are
+written to a temporary name, fsynced and renamed, and the next start deletes leftover
+temporary files, so a flush cut short only loses the states it had not written yet. A
+second SIGINT/SIGTERM exits at once (status 130).
 
 Spot checks (``--spot-check FRACTION``, ``NodeOptions.spot_check_fraction``, default 0):
 that fraction of the forwarded greedy requests a peer answered in full is re-executed here
@@ -63,6 +69,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,17 +94,45 @@ from prefixmesh.overlay.core.trust import (
 from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat
-from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
+from prefixmesh.overlay.host import (
+    FramedStream,
+    HostError,
+    OverlayHost,
+    check_listen_addrs_free,
+)
 from prefixmesh.overlay.infer import InferService, InferSettings
 from prefixmesh.overlay.keyfile import load_identity, save_identity
 from prefixmesh.overlay.partgossip import PartitionGossip
 
 from .http_gateway import serve_node_http
+from .locks import LockError, lock_cache_dir, lock_key_file
 from .tenants import TenantRegistry
 
 __all__ = ["NodeOptions", "Node", "run_node", "main"]
 
 log = logging.getLogger("prefixmesh.node")
+
+#: seconds from SIGINT/SIGTERM to the process's exit, at most (module docstring)
+SHUTDOWN_BUDGET_S = 3.0
+_INFLIGHT_GRACE_S = 1.0  # of the budget: for in-flight requests to send their ERROR frame
+
+
+def _exit_now(status: int, why: str) -> None:
+    """Leave the process immediately (no cleanup can hang it), after saying why."""
+    with contextlib.suppress(Exception):
+        log.warning("%s", why)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    os._exit(status)
+
+
+def _arm_exit_watchdog(budget_s: float) -> threading.Timer:
+    """A daemon thread that ends the process ``budget_s`` from now (a stop that hangs)."""
+    timer = threading.Timer(budget_s, _exit_now, (0, f"shutdown did not finish within "
+                                                     f"{budget_s:.1f} s: exiting now"))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 @dataclass
@@ -125,6 +160,9 @@ def _load_or_create_identity(path: Path) -> Identity:
     except KeyFileNotFound:
         identity = Identity.generate()
         save_identity(identity, path)
+        # never silent: a key file that went missing means this node is someone new now
+        log.warning("no key file at %s: created a new identity there, peer id %s "
+                    "(keep the file to keep this identity)", path, identity.peer_id_b58)
         return identity
 
 
@@ -146,6 +184,39 @@ def _make_backend(config, options: NodeOptions) -> Backend:
     )
 
 
+def _warn_cpu_only_offload(n_gpu_layers: int, backend: str) -> None:
+    """A WARNING when GPU offload is asked of a llama.cpp built without a GPU backend
+    (it silently runs everything on the CPU otherwise)."""
+    if n_gpu_layers == 0 or backend != "llama":
+        return
+    from prefixmesh.inference.gpu import cpu_only_warning, gpu_report
+
+    warning = cpu_only_warning(n_gpu_layers, gpu_report())
+    if warning:
+        log.warning("%s", warning)
+
+
+@contextlib.asynccontextmanager
+async def _progress(what: str, logger: logging.Logger, every_s: float = 2.0):
+    """Log ``what ...`` and, while it lasts, ``still WHAT (N s)`` every ``every_s``; the
+    operator of a node that is slow to start sees why (model load, KV file checks)."""
+    t0 = time.monotonic()
+    logger.info("%s ...", what)
+
+    async def tick() -> None:
+        while True:
+            await trio.sleep(every_s)
+            logger.info("still %s (%.0f s)", what, time.monotonic() - t0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tick)
+        try:
+            yield
+        finally:
+            nursery.cancel_scope.cancel()
+    logger.info("%s: done in %.1f s", what, time.monotonic() - t0)
+
+
 class Node:
     def __init__(self, config, options: NodeOptions | None = None, *,
                  identity: Identity | None = None, backend: Backend | None = None):
@@ -161,7 +232,8 @@ class Node:
             inbound_cap=InboundSubnetCap(n_inbound) if n_inbound > 0 else None,
         )
         self.index = PeerCacheIndex()
-        self.directory = PeerDirectory(self.identity.peer_id)
+        self.directory = PeerDirectory(self.identity.peer_id,
+                                       self_addrs=lambda: self.advertised_addrs())
         self.heartbeat = Heartbeat(
             self.host,
             addrs_of=self.directory.addrs_of,
@@ -257,7 +329,11 @@ class Node:
     # --- running ---------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await self.backend.load()
+        # fail before the (slow) model load; host.run checks again right before binding
+        check_listen_addrs_free([self.config.node.listen])
+        _warn_cpu_only_offload(self.config.model.n_gpu_layers, self.options.backend)
+        async with _progress("loading the model and checking the KV cache", log):
+            await self.backend.load()
         for tenant in self.tenants:
             self.backend.register_namespace(tenant.name, tenant.namespace_key, tenant.ns_id)
         if self.options.fault == "lie-digest":
@@ -270,6 +346,10 @@ class Node:
         try:
             async with self.host.run():
                 await self._run_services(task_status)
+                # services stopped: flush the KV cache while the host still closes below
+                # (a host that hangs on close cannot cost us the flush)
+                with trio.CancelScope(shield=True):
+                    await self.backend.aclose()
         finally:
             self._remove_addr_file()
             with trio.CancelScope(shield=True):
@@ -425,16 +505,24 @@ class Node:
         if sys.platform == "win32":  # pragma: no cover
             return
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                log.info("signal %s: shutting down", signum)
-                await self.shutdown()
-                return
+            signum = 0
+            async for signum in signals:  # noqa: B007 - the first one is all we wait for
+                break
+        # the receiver is closed (it restores the previous handlers), so from here on
+        # another SIGINT/SIGTERM must not wait for the graceful stop: exit at once
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda n, _f: _exit_now(130, f"signal {n} again: exiting now"))
+        log.info("signal %s: shutting down (at most %.0f s; signal again to exit at once)",
+                 signum, SHUTDOWN_BUDGET_S)
+        _arm_exit_watchdog(SHUTDOWN_BUDGET_S - 0.2)  # margin: the process's own teardown
+        await self.shutdown()
 
-    async def shutdown(self, grace_s: float = 3.0) -> None:
+    async def shutdown(self, grace_s: float = _INFLIGHT_GRACE_S) -> None:
         """Refuse new work, end in-flight requests with ERROR frames, then stop."""
         if self._stopping:
             return
         self._stopping = True
+        self._remove_addr_file()  # local clients stop picking this node now
         self.infer.begin_shutdown()
         with trio.move_on_after(grace_s):
             while self.infer.inflight:
@@ -532,14 +620,22 @@ def run_node(config, options: NodeOptions | None = None) -> int:
     from prefixmesh.inference.model import ModelFetchError
     from prefixmesh.overlay.core.identity import IdentityError
 
+    locks = []
     try:
+        # before the key is read or created: two nodes started at once cannot both
+        # create (or both use) one identity; the cache dir lock also names a cache dir
+        # that is a file. Held until the process exits (the kernel drops flocks).
+        locks.append(lock_key_file(config.node.key_file))
+        locks.append(lock_cache_dir(config.node.cache_dir))
+        check_listen_addrs_free([config.node.listen])
         node = Node(config, options)
 
         async def main() -> None:
             await node.run()
 
         trio.run(main)
-    except (IdentityError, ModelFetchError, BackendError, OSError) as exc:
+    except (IdentityError, ModelFetchError, BackendError, OSError, HostError,
+            LockError) as exc:
         # configuration and environment problems: one clear line, no traceback
         print(f"prefixmesh node: error: {exc}", file=sys.stderr)
         return 1
@@ -548,6 +644,9 @@ def run_node(config, options: NodeOptions | None = None) -> int:
             print(f"prefixmesh node: error: {exc}", file=sys.stderr)
             return 1
         raise
+    finally:
+        for lock in locks:
+            lock.release()
     return 0
 
 

@@ -16,6 +16,10 @@ we learned it, and calls ``on_new_peer`` for a new peer or new addresses of a kn
 (the daemon starts the heartbeat for it, which connects; watching is idempotent). Limits: :data:`MAX_PEERS` known peers,
 :data:`MAX_ADDRS_PER_PEER` addresses each; addresses that are unspecified (0.0.0.0)
 or not TCP multiaddrs are ignored.
+
+Our own peer id met at an address that is not ours (``PeerDirectory.self_addrs``) means
+another node runs with a copy of our key file: peers cannot tell the two apart, so the
+directory logs an ERROR naming both addresses (once per foreign address).
 """
 
 from __future__ import annotations
@@ -65,15 +69,19 @@ def _usable(addr: str) -> bool:
 
 
 class PeerDirectory:
-    def __init__(self, self_id: bytes, on_new_peer: Callable[[bytes], None] | None = None):
+    def __init__(self, self_id: bytes, on_new_peer: Callable[[bytes], None] | None = None,
+                 self_addrs: Callable[[], Sequence[str]] = list):
         self.self_id = self_id
         self.on_new_peer = on_new_peer
+        self.self_addrs = self_addrs  # our own transport addrs (the daemon sets it)
         self.peers: dict[bytes, KnownPeer] = {}
         self.invalid_ids = 0  # peer ids ignored because they are not Ed25519 identities
+        self.impostor_addrs: set[str] = set()  # where another node used our peer id
 
     def learn(self, peer: bytes, addrs: Sequence[str], source: str) -> bool:
         """Record ``peer`` at ``addrs`` (transport addrs, no /p2p part). True if new."""
         if peer == self.self_id:
+            self._met_self(addrs, source)
             return False
         known = self.peers.get(peer)
         new = known is None
@@ -103,6 +111,21 @@ class PeerDirectory:
             self.on_new_peer(peer)
         return new
 
+    def _met_self(self, addrs: Sequence[str], source: str) -> None:
+        own = {a.split("/p2p/")[0] for a in self.self_addrs()}
+        for a in addrs:
+            a = a.split("/p2p/")[0]
+            # a DNS name may well be our own address: only IP addresses can be compared
+            if (not _usable(a) or a.startswith("/dns") or a in own or a in self.impostor_addrs
+                    or len(self.impostor_addrs) >= MAX_ADDRS_PER_PEER):
+                continue
+            self.impostor_addrs.add(a)
+            log.error(
+                "another node uses this node's peer id %s: it is at %s (learned via %s), "
+                "this node is at %s; each node needs its own key file (was it copied?)",
+                peer_id_to_b58(self.self_id), a, source, ", ".join(sorted(own)) or "?",
+            )
+
     def addrs_of(self, peer: bytes) -> list[str]:
         known = self.peers.get(peer)
         return list(known.addrs) if known else []
@@ -131,7 +154,7 @@ async def bootstrap_loop(
             continue
         if peer != host.peer_id:
             pending[peer] = transport
-            directory.learn(peer, [transport], "bootstrap")
+        directory.learn(peer, [transport], "bootstrap")  # our own id: checked there
     delay = retry_min_s
     while pending:
         for peer, transport in list(pending.items()):
@@ -220,6 +243,7 @@ class MdnsDiscovery:
         self.directory = directory
         self.addrs = [a.split("/p2p/")[0] for a in addrs]
         self.discovered = 0
+        self.stop_timeout_s = 1.0  # of the node's 3 s shutdown budget
         self._mdns = None
 
     async def run(self) -> None:
@@ -261,14 +285,32 @@ class MdnsDiscovery:
             await trio.sleep_forever()
         finally:
             peerDiscovery.unregister_peer_discovered_handler(on_thread)
-            with trio.CancelScope(shield=True):
-                mdns, self._mdns = self._mdns, None
-                await trio.to_thread.run_sync(mdns.stop)
+            mdns, self._mdns = self._mdns, None
+            await _stop_mdns(mdns, self.stop_timeout_s)
 
     def _learn(self, peer: bytes, addrs: list[str]) -> None:
         if peer != self.host.peer_id:
             self.discovered += 1
-            self.directory.learn(peer, addrs, "mdns")
+        # our own id too: the directory reports another node running with our identity
+        self.directory.learn(peer, addrs, "mdns")
+
+
+async def _stop_mdns(mdns, timeout_s: float) -> None:
+    """Stop py-libp2p's MDNSDiscovery without hanging the node's shutdown.
+
+    Its ``stop()`` cancels a trio cancel scope, so it must run on the trio thread (from a
+    worker thread it raised "must be called from async context" before closing zeroconf,
+    and the node never exited); the rest (goodbye packets, zeroconf's own thread) is
+    blocking, so it runs in a worker thread, abandoned after ``timeout_s``."""
+    scope = getattr(mdns, "_cleanup_cancel_scope", None)
+    if scope is not None:
+        scope.cancel()
+        mdns._cleanup_cancel_scope = None
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout_s) as waited:
+        await trio.to_thread.run_sync(mdns.stop, abandon_on_cancel=True)
+    if waited.cancelled_caught:
+        log.info("mDNS did not stop within %.1f s; leaving it to exit with the process",
+                 timeout_s)
 
 
 # --- Kademlia DHT -------------------------------------------------------------------------

@@ -23,6 +23,13 @@ Addresses
     advertised: it is replaced with the machine's concrete IPv4 interface addresses
     (peers, mDNS in particular, cannot dial 0.0.0.0).
 
+Listen ports
+    py-libp2p listens with ``SO_REUSEPORT``, so a second process bound to a port in use
+    would silently share it (the kernel splits inbound connections between the two, and
+    the dials that land on the wrong node fail their handshake). :meth:`OverlayHost.run`
+    therefore first binds each fixed listen port itself, without ``SO_REUSEPORT``: a port
+    that is taken raises :class:`ListenAddrInUse` (:func:`check_listen_addrs_free`).
+
 Connections
     ``ConnectionConfig(max_connections_per_peer=1)``: besides bounding resources, it
     removes a fixed ~250 ms happy-eyeballs wait from every connect. With an
@@ -36,6 +43,7 @@ Connections
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import socket
@@ -62,6 +70,8 @@ from .core.identity import Identity, peer_id_to_b58
 
 __all__ = [
     "HostError",
+    "ListenAddrInUse",
+    "check_listen_addrs_free",
     "PeerUnreachable",
     "PeerTimeout",
     "StreamClosedError",
@@ -86,6 +96,38 @@ _READ_CHUNK = 64 * 1024
 
 class HostError(Exception):
     """Base class of host and stream errors."""
+
+
+class ListenAddrInUse(HostError):
+    """A listen address cannot be bound: its port is taken, or the address is not ours."""
+
+
+def check_listen_addrs_free(addrs: Sequence[str]) -> None:
+    """Bind each ``/ip4|ip6/HOST/tcp/PORT`` (PORT > 0) briefly *without* SO_REUSEPORT;
+    raises :class:`ListenAddrInUse` naming the address if that fails (module docstring)."""
+    for addr in addrs:
+        parts = str(addr).strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
+            continue
+        host, port = parts[1], int(parts[3])
+        if port == 0:
+            continue  # the kernel picks a free port
+        family = socket.AF_INET6 if parts[0] == "ip6" else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # SO_REUSEADDR (as trio's listeners): a port left in TIME_WAIT by our previous
+            # run is free; on Linux a port another socket LISTENS on still fails to bind
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ListenAddrInUse(
+                        f"listen address {addr}: TCP port {port} is already in use (another "
+                        "prefixmesh node or program listens there); stop it or choose "
+                        "another port (--listen, [node].listen)"
+                    ) from None
+                raise ListenAddrInUse(f"listen address {addr}: cannot listen there: "
+                                      f"{exc.strerror}") from None
 
 
 class PeerUnreachable(HostError):
@@ -270,6 +312,7 @@ class OverlayHost:
         """Run the host. An exception raised by the body comes out as itself: libp2p's
         internal nurseries wrap it in (nested) ExceptionGroups, which we unwrap when they
         hold that one exception only."""
+        check_listen_addrs_free([str(a) for a in self._listen])
         try:
             async with self.libp2p.run(listen_addrs=self._listen), trio.open_nursery() as nursery:
                 self._nursery = nursery

@@ -1,0 +1,202 @@
+"""A node that stops when told and refuses to run twice: real node processes (real libp2p,
+the real default model) on 127.0.0.1.
+
+- SIGTERM / SIGINT stop the node within the 3 s budget with mDNS on (the default), with
+  mDNS off and an unreachable bootstrap peer, and with a request in flight (which ends
+  with an ERROR frame ``shutting_down``). The bound asserted is 10 s, generous enough for
+  a loaded 2-core machine and short enough to catch the old hang (it never exited);
+  measured durations are printed (``-s``) and recorded in docs/OPERATIONS.md.
+- A fixed listen port that another node holds, a key file or a cache directory another
+  node holds, and a cache directory that is a file: each a one-line error, exit code 1.
+- A copy of a node's key file at another address is reported as an ERROR naming both
+  addresses; a missing key file is replaced with a new identity *and says so*.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _swarm import NodeProc, Swarm, wait_until  # noqa: E402
+
+from prefixmesh.node.client import Client, RequestFailed  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real node processes and the real model
+
+STOP_BOUND_S = 10.0  # detects a hang; the budget itself is 3 s (measured: docs)
+REFUSE_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(node: NodeProc, sig: int) -> tuple[float, int]:
+    """Send ``sig``; (seconds until the process exited, its exit status)."""
+    t0 = time.monotonic()
+    node.send_signal(sig)
+    try:
+        rc = node.proc.wait(STOP_BOUND_S)
+    except subprocess.TimeoutExpired:
+        node.kill()
+        pytest.fail(f"node did not exit within {STOP_BOUND_S} s of signal {sig}; log:\n"
+                    f"{node.log_tail()}")
+    took = time.monotonic() - t0
+    print(f"\n{node.name}: stopped {took:.2f} s after signal {sig}")
+    return took, rc
+
+
+def _refused(tmp_path: Path, name: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    """Run a node that is expected to refuse to start; its result."""
+    node = NodeProc(tmp_path, name, **kwargs)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.run(node.args, capture_output=True, text=True, env=env,
+                          timeout=REFUSE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "error:" in ln]
+
+
+def test_sigterm_with_mdns_on_stops_within_budget(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a", mdns=True, dht=True)
+        time.sleep(1.0)  # mDNS and the DHT are running
+        took, rc = _stop(node, signal.SIGTERM)
+        assert rc == 0, node.log_tail()
+        log = node.log_tail(20000)
+        assert "must be called from async context" not in log
+        assert "mDNS discovery stopped" not in log
+        assert "exiting now" not in log, "the graceful stop should fit the budget"
+        assert took < STOP_BOUND_S
+
+
+def test_sigint_with_unreachable_bootstrap_peer_stops(tmp_path):
+    # a bootstrap peer that refuses connections keeps the node dialling when told to stop
+    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/12D3KooWDLed76Dxeu3iEDzb8F13U3vaD24fqzNTnHA8cq9ej43i"
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a", bootstrap=[dead])
+        time.sleep(1.5)
+        took, rc = _stop(node, signal.SIGINT)
+        assert rc == 0, node.log_tail()
+        assert took < STOP_BOUND_S
+
+
+def test_sigterm_ends_a_request_in_flight_with_an_error_frame(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a", mdns=True, n_ctx=1024)
+        first_token = threading.Event()
+        outcome: dict[str, object] = {}
+
+        async def long_request() -> None:
+            async with Client.connect(node.addr) as client:
+                try:
+                    async for item in client.stream([("user", "Count from one to five "
+                                                      "hundred, in words.")], max_tokens=900):
+                        if isinstance(item, str):
+                            first_token.set()
+                    outcome["result"] = "completed"
+                except RequestFailed as exc:
+                    outcome["result"] = exc.code
+
+        thread = threading.Thread(target=lambda: trio.run(long_request), daemon=True)
+        thread.start()
+        assert first_token.wait(120), node.log_tail()
+        took, rc = _stop(node, signal.SIGTERM)
+        thread.join(30)
+        assert outcome.get("result") == "shutting_down", (outcome, node.log_tail())
+        assert rc == 0
+        assert took < STOP_BOUND_S
+
+
+def test_second_node_on_a_used_port_is_refused(tmp_path):
+    port = _free_port()
+    listen = f"/ip4/127.0.0.1/tcp/{port}"
+    with Swarm(tmp_path) as swarm:
+        first = swarm.add("a", listen=listen)
+        proc = _refused(tmp_path, "b", listen=listen)
+        assert proc.returncode == 1, proc.stderr
+        lines = _error_lines(proc.stderr)
+        assert len(lines) == 1 and f"TCP port {port} is already in use" in lines[0], proc.stderr
+        assert first.proc.poll() is None  # the first node is untouched
+
+
+def test_second_node_on_a_used_key_file_or_cache_dir_is_refused(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        first = swarm.add("a")
+        key, cache = first.root / "node.key", first.root / "cache"
+        pid = str(first.proc.pid)
+
+        proc = _refused(tmp_path, "b", extra=["--key", str(key)])
+        assert proc.returncode == 1, proc.stderr
+        (line,) = _error_lines(proc.stderr)
+        assert f"key file {key}" in line and "in use by another node" in line, line
+        assert f"process {pid}" in line, line
+
+        proc = _refused(tmp_path, "c", extra=["--cache-dir", str(cache)])
+        assert proc.returncode == 1, proc.stderr
+        (line,) = _error_lines(proc.stderr)
+        assert f"cache directory {cache}" in line and f"process {pid}" in line, line
+        assert first.proc.poll() is None
+        assert (cache / "node.addrs").exists()  # the refused node deleted nothing
+
+    # the holder is gone (killed): the lock went with it, a new node starts
+    with Swarm(tmp_path) as swarm:
+        swarm.add("a")
+
+
+def test_cache_dir_that_is_a_file_is_a_named_error(tmp_path):
+    cachefile = tmp_path / "cachefile"
+    cachefile.write_text("not a folder\n")
+    proc = _refused(tmp_path, "a", extra=["--cache-dir", str(cachefile)])
+    assert proc.returncode == 1, proc.stderr
+    (line,) = _error_lines(proc.stderr)
+    assert f"cache directory {cachefile} exists but is not a directory" in line, line
+    assert "Errno" not in line
+
+
+def test_missing_key_file_is_created_and_announced(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a")
+        log = node.log_tail(20000)
+        assert f"no key file at {node.root / 'node.key'}" in log, log
+        assert f"peer id {node.peer_b58}" in log, log
+        node.terminate()
+        with Swarm(tmp_path) as again:  # the same key file now: nothing to announce
+            node2 = again.add("a")
+            assert node2.peer_b58 == node.peer_b58
+            assert node2.log_tail(20000).count("no key file at") == 1
+
+
+def test_copied_key_file_at_another_address_is_reported(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        a = swarm.add("a")
+        b_root = tmp_path / "b"
+        b_root.mkdir()
+        shutil.copy2(a.root / "node.key", b_root / "node.key")  # same identity, own lock
+        b = swarm.add("b", bootstrap=[a.addr])
+        assert b.peer_b58 == a.peer_b58
+        a_transport = a.addr.split("/p2p/")[0]
+        b_transport = b.addr.split("/p2p/")[0]
+
+        def reported() -> str | None:
+            for line in b.log_tail(50000).splitlines():
+                if "another node uses this node's peer id" in line:
+                    return line
+            return None
+
+        line = wait_until(reported, 30, what="the duplicate identity error")
+        assert "ERROR" in line and a_transport in line and b_transport in line, line
