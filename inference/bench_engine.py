@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["add_arguments", "run_bench_engine", "bench_engine"]
+__all__ = ["add_arguments", "add_engine_arguments", "run_bench_engine", "bench_engine"]
 
 _WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at "
@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--model", default=None, help="GGUF path (default: embedded model)")
+
+
+# the name ``prefixmesh bench engine`` looks for (``add_<NAME>_arguments``, as bench/sim.py)
+add_engine_arguments = add_arguments
 
 
 def _text(rng: random.Random, n_words: int) -> str:

@@ -159,6 +159,11 @@ def _cmd_peers(args: argparse.Namespace) -> int:
     return int(run_peers(cfg, as_json=args.json) or 0)
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    run_status = _component("prefixmesh.node.status", "cli_status", "status")
+    return int(run_status(args) or 0)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     run_demo = _component("prefixmesh.node.demo", "run_demo", "the demo")
     return int(run_demo(args) or 0)
@@ -172,20 +177,24 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
 def _bench(module: str, func: str, name: str) -> Callable[[argparse.Namespace], int]:
     """A pass-through handler for ``bench NAME ARGS...``.
 
-    If the benchmark module offers ``add_NAME_arguments(parser)``, ARGS are parsed here
+    If the benchmark module offers ``add_NAME_arguments(parser)`` (or ``add_arguments``),
+    ARGS are parsed here
     (with the CLI's one-line errors, ``prog`` = "prefixmesh bench NAME") and ``func``
     gets the Namespace; otherwise ``func`` gets the raw argument list.
     """
 
     def handler(args: argparse.Namespace) -> int:
         run = _component(module, func, f"bench {name}")
-        add_arguments = getattr(sys.modules[module], f"add_{name}_arguments", None)
+        mod = sys.modules[module]
+        # ``add_arguments`` too: a module exporting only that once had all its flags ignored
+        add_arguments = (getattr(mod, f"add_{name}_arguments", None)
+                         or getattr(mod, "add_arguments", None))
         rest = [a for a in args.bench_args]
         if rest[:1] == ["--"]:
             rest = rest[1:]
         if add_arguments is None:
             return int(run(rest) or 0)
-        doc = (sys.modules[module].__doc__ or "").strip().splitlines()
+        doc = (mod.__doc__ or "").strip().splitlines()
         parser = _Parser(prog=f"prefixmesh bench {name}", description=doc[0] if doc else None)
         add_arguments(parser)
         try:
@@ -284,6 +293,20 @@ def build_parser() -> argparse.ArgumentParser:
     client_flags(p, tenant=False)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=_cmd_peers)
+
+    p = sub.add_parser("status", parents=[verbose], help="a node's status on one screen",
+                       description="This node, its peers (trust, load, RTT), cached prefixes "
+                       "by namespace and the last route traces, from the node's HTTP "
+                       "gateway or [metrics] listen address (node/status.py).")
+    p.add_argument("--peer", required=True, metavar="URL",
+                   help="HOST:PORT or http://HOST:PORT of [http] or [metrics] listen")
+    p.add_argument("--api-key", metavar="KEY", help="the node's [http].api_key "
+                   "(default: $PREFIXMESH_API_KEY)")
+    p.add_argument("--watch", action="store_true", help="redraw every --interval seconds")
+    p.add_argument("--interval", type=float, default=2.0, metavar="S")
+    p.add_argument("--rounds", type=int, help=argparse.SUPPRESS)  # tests: end --watch
+    p.add_argument("--json", action="store_true", help="print the overview JSON")
+    p.set_defaults(handler=_cmd_status)
 
     p = sub.add_parser("demo", parents=[verbose], help="run a small local swarm and ask it",
                        description="Start a few nodes on 127.0.0.1, ask through one of them "

@@ -1,0 +1,39 @@
+"""Every ``prefixmesh bench NAME --help`` prints its usage and exits at once (a real
+``prefixmesh`` process each): ``bench engine --help`` once started the 10-minute
+benchmark because the CLI did not find the module's argument table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(sys.executable).parent / "prefixmesh"
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "prefixmesh"]
+HELP_BOUND_S = 30.0  # usage is printed in about a second; a benchmark would run minutes
+
+# the flags each benchmark's usage must show (the ones users pass: docs/BENCHMARKS.md)
+EXPECTED = {
+    "engine": ("--json", "--runs", "--prefix-lengths"),
+    "sim": ("--json",),
+    "swarm": ("--json",),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bench_help_prints_usage_quickly(name):
+    proc = subprocess.run([*CLI, "bench", name, "--help"], capture_output=True, text=True,
+                          timeout=HELP_BOUND_S, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: prefixmesh bench {name}"), proc.stdout[:300]
+    for flag in EXPECTED[name]:
+        assert flag in proc.stdout, (flag, proc.stdout)
+
+
+def test_bench_engine_rejects_a_bad_flag_value_before_running():
+    proc = subprocess.run([*CLI, "bench", "engine", "--runs", "many"], capture_output=True,
+                          text=True, timeout=HELP_BOUND_S, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert "--runs" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
