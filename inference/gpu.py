@@ -1,8 +1,10 @@
 """What accelerator a node has, for operators' logs: optional, never required.
 
-``torch`` (the ``gpu`` extra) is used only to name the GPU and report its free memory
-when it is installed; the engine itself needs nothing but llama.cpp, whose own build
-decides whether ``n_gpu_layers`` can offload anything.
+Only llama.cpp's own build decides whether ``n_gpu_layers`` offloads anything: the wheel
+pip builds by default is CPU-only, and nothing else installed (torch included) changes
+that. Rebuild llama-cpp-python with a GPU backend (``make llama-gpu GPU=cuda|metal|
+vulkan``, README "GPU"). ``torch``, when it happens to be installed, is used only to name
+the GPU and report its free memory.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["GpuReport", "gpu_report", "describe"]
+__all__ = ["GpuReport", "gpu_report", "describe", "cpu_only_warning", "REBUILD_HINT"]
+
+REBUILD_HINT = ("rebuild llama-cpp-python with a GPU backend: make llama-gpu GPU=cuda "
+                "(or metal, vulkan); see the README section 'GPU'")
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,16 @@ def describe(report: GpuReport) -> str:
     offload = {True: "llama.cpp GPU offload available", False: "llama.cpp CPU-only build",
                None: "llama.cpp GPU offload unknown"}[report.llama_gpu_offload]
     if not report.devices:
-        return f"no GPU reported (install the 'gpu' extra to see one); {offload}"
+        return f"no GPU named (torch is not installed or sees none); {offload}"
     gpus = ", ".join(f"{name} ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)"
                      for name, free, total in report.devices)
     return f"{gpus}; {offload}"
+
+
+def cpu_only_warning(n_gpu_layers: int, report: GpuReport) -> str | None:
+    """The warning for ``n_gpu_layers != 0`` on a llama.cpp that cannot offload, or None."""
+    if n_gpu_layers == 0 or report.llama_gpu_offload is not False:
+        return None
+    layers = "all layers" if n_gpu_layers < 0 else f"{n_gpu_layers} layers"
+    return (f"n_gpu_layers = {n_gpu_layers} asks for {layers} on a GPU, but this "
+            f"llama-cpp-python build is CPU-only: the model runs on the CPU; {REBUILD_HINT}")
