@@ -78,6 +78,7 @@ __all__ = [
     "CacheEvent",
     "SamplingParams",
     "EngineConfig",
+    "KV_TYPES",
     "TokenPiece",
     "RequestStats",
     "Completion",
@@ -96,6 +97,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# KV cache element types offered (GGML type ids); see docs/bench/engine.md for measurements
+KV_TYPES = {"f16": 1, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
 
 _EWMA_ALPHA = 0.3
 _MIN_PREFILL_FOR_RATE = 16
@@ -190,8 +194,18 @@ class EngineConfig:
     max_queue: int = 16
     snapshot_policy: str = "end"  # "end" | "boundaries"
     min_snapshot_tokens: int = 16
-    verify_on_start: bool = True  # checksum every state file when rebuilding the disk index
+    # False: start-up indexes the disk tier from file headers and checks a file's checksum
+    # when it is first loaded (ready at once); True: also checksum every file at start
+    verify_on_start: bool = False
     fsync: bool = True
+    # write-behind: a new state is on disk within this many seconds (a crash loses at most
+    # that window); back-pressure also caps the queue at max_pending_write_bytes
+    write_delay_s: float = 2.0
+    max_pending_write_bytes: int = 256 << 20
+    stop_timeout_s: float = 10.0  # close(): bound on waiting for the worker and the writer
+    # KV cache element types ("f16", "q8_0", "q4_0", ...); quantized V needs flash_attn
+    type_k: str = "f16"
+    type_v: str = "f16"
     seed: int = 0  # llama context seed (unused by our sampler; recorded for completeness)
 
 
@@ -316,6 +330,12 @@ class Engine:
             raise ValueError(f"unknown snapshot policy {cfg.snapshot_policy!r}")
         if cfg.n_batch < 4 or cfg.n_ctx < 8 or cfg.max_queue < 1:
             raise ValueError("need n_batch >= 4, n_ctx >= 8 and max_queue >= 1")
+        for kv_type in (cfg.type_k, cfg.type_v):
+            if kv_type not in KV_TYPES:
+                raise ValueError(f"unknown KV cache type {kv_type!r} (one of {sorted(KV_TYPES)})")
+        if cfg.type_v != "f16" and not cfg.flash_attn:
+            # llama.cpp refuses a quantized V cache without flash attention
+            raise ValueError("a quantized V cache (type_v) needs flash_attn=True")
         self.config = cfg
         try:
             self.model_path = resolve_model(cfg.model_path, progress=False)
@@ -352,7 +372,7 @@ class Engine:
             b"prefixmesh-kv-state/v1\x00"
             + self.model_fingerprint
             + f"|llama-cpp-python={llama_cpp.__version__}|flash_attn={cfg.flash_attn}"
-            f"|type_k=f16|type_v=f16|extra_bufts=0|swa_full=1".encode(),
+            f"|type_k={cfg.type_k}|type_v={cfg.type_v}|extra_bufts=0|swa_full=1".encode(),
             digest_size=FINGERPRINT_BYTES,
         ).digest()
         kv_dir = Path(cfg.kv_dir) if cfg.kv_dir is not None else cache_dir() / "kv"
@@ -364,6 +384,8 @@ class Engine:
             on_change=self._store_changed,
             verify_on_start=cfg.verify_on_start,
             fsync=cfg.fsync,
+            write_delay_s=cfg.write_delay_s,
+            max_pending_bytes=cfg.max_pending_write_bytes,
         )
         self.default_namespace = self.namespace("public")
         self.register_namespace(self.default_namespace)
@@ -521,8 +543,12 @@ class Engine:
     # ---------------------------------------------------------------- lifecycle
 
     def close(self, *, flush: bool = True, timeout: float | None = None) -> None:
-        """Stop the worker (queued requests are cancelled) and, with ``flush``, write RAM
-        entries to disk so that a new engine on the same directory can reuse them."""
+        """Stop the worker (queued requests are cancelled, the running one stops at its next
+        token or prefill chunk) and the KV writer; with ``flush`` the states still queued for
+        disk are written first (write-behind has written the rest already). Each wait is
+        bounded by ``timeout`` (None: ``stop_timeout_s``)."""
+        if timeout is None:
+            timeout = self.config.stop_timeout_s
         if self._closed:
             return
         self._closed = True
@@ -539,8 +565,7 @@ class Engine:
                           None)
         self._queue.put(None)
         self._worker.join(timeout)
-        if flush:
-            self.store.flush_to_disk()
+        self.store.close(flush=flush, timeout=timeout)
 
     def __enter__(self) -> Engine:
         return self
@@ -614,6 +639,8 @@ class Engine:
                     n_threads_batch=cfg.n_threads,
                     n_gpu_layers=cfg.n_gpu_layers,
                     flash_attn=cfg.flash_attn,
+                    type_k=KV_TYPES[cfg.type_k],
+                    type_v=KV_TYPES[cfg.type_v],
                     swa_full=True,  # sliding-window models: keep every cell (see below)
                     seed=cfg.seed,
                     logits_all=False,

@@ -21,8 +21,9 @@ in neither tier any more. Changes are queued while the trees are being modified 
 delivered after each public call returns (callbacks never run inside a tree operation).
 
 Disk layout: ``<disk_dir>/<fingerprint hex[:32]>/<namespace id hex>/<blake2b(key) hex>.kv``,
-written as a temp file in the same folder, fsynced, renamed, folder fsynced. File format
-(little endian)::
+written as a temp file (``.tmp-*.part``) in the same folder, fsynced, renamed, folder
+fsynced, so a crash at any point leaves either the old file, the new file or no file, never a
+partial one under a ``.kv`` name. File format (little endian)::
 
     magic  b"PMKV"            4
     version u16, flags u16    4
@@ -34,15 +35,30 @@ written as a temp file in the same folder, fsynced, renamed, folder fsynced. Fil
     payload                   payload_len
     checksum                  32   BLAKE2b-256 over everything before it
 
-On start the disk index is rebuilt from the files: a file that is truncated, fails its
-checksum, carries another fingerprint or namespace than its folder says, or exceeds the
-limits is logged, counted and deleted; it is never loaded. Files are re-verified
-(checksum) every time they are read. Parsing is bounded: :data:`MAX_STATE_TOKENS` tokens,
-payloads no larger than the disk budget. Disk recency survives restarts through file
-mtimes (touched on every disk hit).
+Write-behind. A ``put`` stores the state in RAM and, at once, reserves its place in the disk
+index and queues the bytes for a writer thread (one per store) that checksums, writes and
+fsyncs them, so a newly cached prefix is on disk within ``write_delay_s`` of its ``put``
+without the caller waiting for the disk. The bound is kept by back-pressure: a ``put`` that
+finds the oldest queued state older than ``write_delay_s`` (or more than
+``max_pending_bytes`` queued) waits for the writer. A crash (``kill -9``) loses at most the
+states put in the last ``write_delay_s``; what was on disk stays valid. A queued state is
+served from its bytes in memory until it is written, and an entry evicted before its write
+is simply not written (the writer renames under the store lock and checks first). An entry
+leaving RAM needs no write when its disk copy exists or is queued (demotion is then free).
+
+Start-up reads only the headers and token ids (bounded; no checksum): the index is ready
+without reading the payloads. A file that is truncated (its size disagrees with its header),
+carries another fingerprint or namespace than its folder says, or exceeds the limits is
+logged, counted and deleted at start; ``verify_on_start=True`` also checks every checksum
+then (slow on a big cache). Every read of a file verifies its checksum, so a damaged payload
+is found when it is first loaded: the file is removed with a log line and the lookup is
+retried (a miss, never an error). Disk recency survives restarts through file mtimes
+(touched on every disk hit). ``close`` stops the writer after the queue drains, within
+its timeout; what is still queued then is dropped (it is only a cache).
 
 Thread safety: every public method takes the store's re-entrant lock, so lookups (routing)
-and lease releases may come from any thread; ``on_change`` runs with the lock held.
+and lease releases may come from any thread; ``on_change`` runs with the lock held. The
+writer thread takes the same lock only to pick a job and to rename or discard its file.
 """
 
 from __future__ import annotations
@@ -53,6 +69,8 @@ import os
 import struct
 import tempfile
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import wraps
@@ -118,6 +136,10 @@ class StoreStats:
     promotions: int = 0
     disk_writes: int = 0
     disk_write_errors: int = 0
+    writes_skipped: int = 0  # queued states evicted or removed before their write
+    write_waits: int = 0  # puts that waited for the writer (back-pressure)
+    pending_writes: int = 0
+    pending_bytes: int = 0
     corrupt_files_removed: int = 0
     foreign_files_removed: int = 0
 
@@ -129,16 +151,28 @@ def _checksum(*parts: bytes | memoryview) -> bytes:
     return h.digest()
 
 
+def _state_file_head(
+    fingerprint: bytes, ns_id: bytes, tokens: Sequence[int], payload_len: int
+) -> bytes:
+    if len(fingerprint) != FINGERPRINT_BYTES or len(ns_id) != NS_ID_BYTES:
+        raise ValueError("bad fingerprint or namespace id length")
+    return _HEADER.pack(
+        MAGIC, FORMAT_VERSION, 0, fingerprint, ns_id, len(tokens), payload_len
+    ) + struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def _as_bytes_view(data) -> memoryview:
+    """A flat byte view of a state (bytes, bytearray or a ctypes uint8 array)."""
+    return memoryview(data).cast("B")
+
+
 def encode_state_file(
     fingerprint: bytes, ns_id: bytes, tokens: Sequence[int], payload: bytes
 ) -> tuple[bytes, bytes]:
     """Header+tokens and the trailing checksum of a state file (payload goes between them)."""
-    if len(fingerprint) != FINGERPRINT_BYTES or len(ns_id) != NS_ID_BYTES:
-        raise ValueError("bad fingerprint or namespace id length")
-    head = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, 0, fingerprint, ns_id, len(tokens), len(payload)
-    ) + struct.pack(f"<{len(tokens)}I", *tokens)
-    return head, _checksum(head, payload)
+    view = _as_bytes_view(payload)
+    head = _state_file_head(fingerprint, ns_id, tokens, len(view))
+    return head, _checksum(head, view)
 
 
 def _parse_header(buf: bytes, file_size: int, max_payload: int) -> tuple[bytes, bytes, int, int]:
@@ -204,11 +238,19 @@ class _RamItem:
 
 
 class _DiskItem:
-    __slots__ = ("ns_id", "path")
+    """A disk-tier entry. ``data`` is not None while the state is queued for the writer
+    (it is served from memory until then); ``dropped`` marks an entry that left the index
+    before its write finished (the writer then discards its temp file)."""
 
-    def __init__(self, ns_id: bytes, path: Path) -> None:
+    __slots__ = ("ns_id", "path", "data", "size", "queued_at", "dropped")
+
+    def __init__(self, ns_id: bytes, path: Path, data=None, size: int = 0) -> None:
         self.ns_id = ns_id
         self.path = path
+        self.data = data
+        self.size = size
+        self.queued_at = 0.0
+        self.dropped = False
 
 
 class Lease:
@@ -244,13 +286,24 @@ class KVStore:
         disk_budget_bytes: int = 0,
         disk_dir: str | os.PathLike[str] | None = None,
         on_change: Callable[[StoreChange], None] | None = None,
-        verify_on_start: bool = True,
+        verify_on_start: bool = False,
         fsync: bool = True,
+        write_delay_s: float = 2.0,
+        max_pending_bytes: int = 256 << 20,
     ) -> None:
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
+        if not write_delay_s > 0 or max_pending_bytes < 0:
+            raise ValueError("write_delay_s must be > 0 and max_pending_bytes >= 0")
         self.fingerprint = fingerprint
+        self.write_delay_s = float(write_delay_s)
+        self.max_pending_bytes = int(max_pending_bytes)
         self._lock = threading.RLock()
+        self._writer_cv = threading.Condition(self._lock)
+        self._queue: deque[tuple[tuple[int, ...], _DiskItem]] = deque()
+        self._writing = False
+        self._closing = False
+        self._writer: threading.Thread | None = None
         self._on_change = on_change
         self._fsync = fsync
         self._pending: list[StoreChange] = []
@@ -259,12 +312,17 @@ class KVStore:
         disk_budget = disk_budget_bytes if disk_dir is not None else 0
         self._disk = RadixTree(disk_budget, on_evict=self._disk_evicted)
         self._dropping: set[tuple[int, ...]] = set()  # keys removed on purpose: no demotion
+        self._replacing: set[tuple[int, ...]] = set()  # disk copies being replaced: no event
         self.stats = StoreStats(ram_budget_bytes=ram_budget_bytes, disk_budget_bytes=disk_budget)
         self.model_dir: Path | None = None
         if disk_dir is not None and disk_budget > 0:
             self.model_dir = Path(disk_dir) / fingerprint.hex()[:32]
             self.model_dir.mkdir(parents=True, exist_ok=True)
             self._rebuild(verify_on_start)
+            self._writer = threading.Thread(
+                target=self._writer_loop, name="prefixmesh-kv-writer", daemon=True
+            )
+            self._writer.start()
         self._flush_changes()
 
     # ------------------------------------------------------------------ helpers
@@ -293,6 +351,8 @@ class KVStore:
         s = self.stats
         s.ram_entries, s.ram_bytes = len(self._ram), self._ram.used_bytes
         s.disk_entries, s.disk_bytes = len(self._disk), self._disk.used_bytes
+        s.pending_writes = len(self._queue)
+        s.pending_bytes = sum(item.size for _, item in self._queue)
         s.ram_budget_bytes, s.disk_budget_bytes = (
             self._ram.capacity_bytes,
             self._disk.capacity_bytes,
@@ -310,9 +370,12 @@ class KVStore:
     def _ram_evicted(self, entry: Entry) -> None:
         item: _RamItem = entry.payload
         key = entry.tokens
-        if key in self._dropping or self._disk.get(key) is not None:
+        if key in self._dropping:
             if self._disk.get(key) is None:
                 self._emit("remove", item.ns_id, key)
+            return
+        if self._disk.get(key) is not None:  # written or queued by write-behind: free
+            self.stats.demotions += 1
             return
         if self._write_disk(item.ns_id, key, item.data):
             self.stats.demotions += 1
@@ -321,49 +384,120 @@ class KVStore:
 
     def _disk_evicted(self, entry: Entry) -> None:
         item: _DiskItem = entry.payload
-        try:
-            item.path.unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("could not delete KV state file %s: %s", item.path, exc)
-        if self._ram.get(entry.tokens) is None:
+        item.dropped = True
+        if item.data is not None:  # still queued: the writer skips it
+            item.data = None
+            self.stats.writes_skipped += 1
+        else:
+            try:
+                item.path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not delete KV state file %s: %s", item.path, exc)
+        if self._ram.get(entry.tokens) is None and entry.tokens not in self._replacing:
             self._emit("remove", item.ns_id, entry.tokens)
 
     # ------------------------------------------------------------------ disk
 
-    def _write_disk(self, ns_id: bytes, key: tuple[int, ...], data: bytes) -> bool:
-        """Write a state file and index it; False if it does not fit or the write failed."""
-        if self.model_dir is None:
+    def _write_disk(self, ns_id: bytes, key: tuple[int, ...], data) -> bool:
+        """Index a state in the disk tier and queue it for the writer thread; False if it
+        does not fit (or there is no disk tier). Caller holds the lock."""
+        if self.model_dir is None or self._closing:
             return False
-        tokens = key[1:]
-        head, checksum = encode_state_file(self.fingerprint, ns_id, tokens, data)
-        size = len(head) + len(data) + len(checksum)
-        path = self._path_for(ns_id, key)
-        if self._disk.insert(key, _DiskItem(ns_id, path), size) is None:
+        assert self._disk.get(key) is None, "a disk entry is never replaced in place"
+        view = _as_bytes_view(data)
+        size = _HEADER.size + 4 * (len(key) - 1) + len(view) + CHECKSUM_BYTES
+        item = _DiskItem(ns_id, self._path_for(ns_id, key), data, size)
+        if self._disk.insert(key, item, size) is None:
             return False
+        item.queued_at = time.monotonic()
+        self._queue.append((key, item))
+        self._writer_cv.notify_all()
+        return True
+
+    def _wait_for_writer(self) -> None:
+        """Back-pressure (caller holds the lock): wait while the oldest queued state is older
+        than ``write_delay_s`` or the queue holds more than ``max_pending_bytes``, so that
+        the write-behind window stays bounded when the disk is slower than the puts."""
+        waited = False
+        while self._queue and self._writer is not None and self._writer.is_alive():
+            oldest = self._queue[0][1]
+            pending = sum(item.size for _, item in self._queue)
+            age = time.monotonic() - oldest.queued_at
+            if age < self.write_delay_s and pending <= self.max_pending_bytes:
+                break
+            waited = True
+            self._writer_cv.wait(0.05)
+        if waited:
+            self.stats.write_waits += 1
+
+    def _writer_loop(self) -> None:
+        cv = self._writer_cv
+        while True:
+            with cv:
+                while not self._queue and not self._closing:
+                    cv.wait()
+                if not self._queue:
+                    return  # closing and drained
+                key, item = self._queue[0]
+                data = item.data
+                if data is None:  # dropped while queued
+                    self._queue.popleft()
+                    cv.notify_all()
+                    continue
+                self._writing = True
+            try:
+                self._write_one(key, item, data)
+            finally:
+                with cv:
+                    self._writing = False
+                    if self._queue and self._queue[0][1] is item:
+                        self._queue.popleft()
+                    self._update_sizes()
+                    cv.notify_all()
+                self._flush_changes_async()
+
+    def _write_one(self, key: tuple[int, ...], item: _DiskItem, data) -> None:
+        """Writer thread: temp file, fsync, then (under the lock, if the entry is still
+        indexed) rename over the final name and fsync the folder."""
+        path = item.path
         tmp_name = None
         try:
+            view = _as_bytes_view(data)
+            head = _state_file_head(self.fingerprint, item.ns_id, key[1:], len(view))
+            checksum = _checksum(head, view)
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".kv", dir=path.parent)
+            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=path.parent)
             with os.fdopen(fd, "wb") as f:
                 f.write(head)
-                f.write(data)
+                f.write(view)
                 f.write(checksum)
                 f.flush()
                 if self._fsync:
                     os.fsync(f.fileno())
-            os.replace(tmp_name, path)
-            tmp_name = None
+            with self._lock:
+                if item.dropped:
+                    Path(tmp_name).unlink(missing_ok=True)
+                    tmp_name = None
+                    return
+                os.replace(tmp_name, path)
+                tmp_name = None
+                item.data = None  # on disk now: later reads come from the file
+                self.stats.disk_writes += 1
             if self._fsync:
                 fsync_dir(path.parent)
         except OSError as exc:
             log.warning("could not write KV state file %s: %s", path, exc)
-            self.stats.disk_write_errors += 1
             if tmp_name is not None:
                 Path(tmp_name).unlink(missing_ok=True)
-            self._disk.remove(key)
-            return False
-        self.stats.disk_writes += 1
-        return True
+            with self._lock:
+                self.stats.disk_write_errors += 1
+                if not item.dropped and self._disk.get(key) is not None:
+                    if self._disk.get(key).payload is item and not self._disk.get(key).pins:
+                        self._disk.remove(key)  # emits "remove" when RAM lacks it too
+
+    def _flush_changes_async(self) -> None:
+        with self._lock:
+            self._flush_changes()
 
     def _discard_file(self, path: Path, reason: str, *, foreign: bool = False) -> None:
         log.warning("removing KV state file %s: %s", path, reason)
@@ -390,7 +524,7 @@ class KVStore:
                 continue
             for path in sorted(ns_dir.iterdir()):
                 if path.name.startswith(".tmp-"):
-                    path.unlink(missing_ok=True)  # an interrupted write
+                    path.unlink(missing_ok=True)  # a write interrupted by a crash
                     continue
                 if not path.name.endswith(".kv") or not path.is_file():
                     continue
@@ -421,8 +555,10 @@ class KVStore:
             self._emit("add", ns_id, key)
         self._update_sizes()
 
-    def _read_disk(self, entry: Entry) -> bytes | None:
+    def _read_disk(self, entry: Entry):
         item: _DiskItem = entry.payload
+        if item.data is not None:  # queued for the writer: the bytes are still in memory
+            return item.data
         try:
             fp, ns_id, tokens, payload = decode_state_file(
                 item.path, max_payload=self._disk.capacity_bytes
@@ -430,7 +566,7 @@ class KVStore:
             if fp != self.fingerprint or ns_id != item.ns_id or tokens != entry.tokens[1:]:
                 raise CorruptStateFile("header does not match the index")
         except (CorruptStateFile, OSError) as exc:
-            self._discard_file(item.path, f"unloadable: {exc}")
+            self._discard_file(item.path, f"unloadable ({exc}); treated as a miss")
             self._disk.remove(entry.tokens)
             return None
         try:
@@ -533,17 +669,25 @@ class KVStore:
         try:
             key = self._key(ns_id, tokens)
             was_cached = self._ram.get(key) is not None or self._disk.get(key) is not None
-            size = len(data) + _RAM_TOKEN_OVERHEAD * len(key)
-            ok = self._ram.insert(key, _RamItem(ns_id, data), size) is not None
+            size = len(_as_bytes_view(data)) + _RAM_TOKEN_OVERHEAD * len(key)
+            in_ram = self._ram.insert(key, _RamItem(ns_id, data), size) is not None
             stale = self._disk.get(key)
-            if ok and stale is not None and not stale.pins:
-                self._disk.remove(key)  # the new state replaces it; demotion rewrites it
-            if not ok and self._disk.get(key) is None:
-                ok = self._write_disk(ns_id, key, data)  # too big for RAM: straight to disk
+            if stale is not None and not stale.pins:
+                self._replacing.add(key)  # the new state replaces the old copy: no event
+                try:
+                    self._disk.remove(key)
+                finally:
+                    self._replacing.discard(key)
+            # write-behind: every new state is queued for disk at once (a pinned old copy,
+            # being read right now, stays: it holds the same tokens)
+            on_disk = self._disk.get(key) is not None or self._write_disk(ns_id, key, data)
+            ok = in_ram or on_disk
             if ok:
                 self.stats.puts += 1
-                if not was_cached:
-                    self._emit("add", ns_id, key)
+            cached = self._ram.get(key) is not None or self._disk.get(key) is not None
+            if cached != was_cached:
+                self._emit("add" if cached else "remove", ns_id, key)
+            self._wait_for_writer()
             return ok
         finally:
             self._update_sizes()
@@ -572,22 +716,64 @@ class KVStore:
             self._flush_changes()
 
     @_locked
-    def flush_to_disk(self) -> int:
-        """Write every RAM entry that has no disk copy to disk (oldest first); returns count."""
-        written = 0
+    def flush_to_disk(self, timeout: float | None = None) -> int:
+        """Queue every RAM entry that has no disk copy (oldest first), then wait until the
+        writer has written everything queued (at most ``timeout`` s). Returns how many
+        states were not on disk yet when called (queued before or now)."""
         try:
-            if self.model_dir is None:
+            if self.model_dir is None or self._writer is None:
                 return 0
+            count = sum(1 for _, item in self._queue if item.data is not None)
             entries = sorted(self._ram.entries(), key=lambda e: e.last_used)
             for entry in entries:
                 if entry.stored and self._disk.get(entry.tokens) is None:
                     item: _RamItem = entry.payload
                     if self._write_disk(item.ns_id, entry.tokens, item.data):
-                        written += 1
-            return written
+                        count += 1
+            self._wait_drained(timeout)
+            return count
         finally:
             self._update_sizes()
             self._flush_changes()
+
+    @_locked
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` s) until every queued state is on disk; True if so."""
+        if self._writer is None:
+            return True
+        return self._wait_drained(timeout)
+
+    def _wait_drained(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (self._queue or self._writing) and self._writer.is_alive():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._writer_cv.wait(0.1 if left is None else min(0.1, left))
+        return True
+
+    def close(self, *, flush: bool = True, timeout: float | None = 10.0) -> bool:
+        """Stop the writer thread: with ``flush``, after queueing RAM entries without a disk
+        copy and letting the queue drain; without it, after the write in progress. Bounded
+        by ``timeout``; whatever is still queued then is lost (a crash-consistent state:
+        the next start removes temp files). True if everything queued was written."""
+        with self._lock:
+            if self._writer is None:
+                return True
+            if flush and not self._closing:
+                self.flush_to_disk(timeout)
+            self._closing = True
+            drained = not self._queue
+            # what is still queued (the write in progress included: its rename is skipped)
+            # is dropped, so no write of this store lands after close returns
+            for _key, item in self._queue:
+                item.data = None
+                item.dropped = True
+            self._queue.clear()
+            self._writer_cv.notify_all()
+            writer = self._writer
+        writer.join(timeout)
+        return drained and not writer.is_alive()
 
     @_locked
     def prefixes(self) -> list[tuple[bytes, tuple[int, ...], str]]:
@@ -623,15 +809,19 @@ class KVStore:
     def pinned_bytes(self) -> tuple[int, int]:
         return self._ram.pinned_bytes, self._disk.pinned_bytes
 
+    @_locked
     def _check_invariants(self) -> None:
-        """For tests: budgets hold and the disk index matches the files."""
+        """For tests: budgets hold and the disk index matches the files (a queued state
+        has no file yet but holds its bytes)."""
         self._ram._check_invariants()
         self._disk._check_invariants()
         if self.model_dir is not None:
             files = {p for p in self.model_dir.glob("*/*.kv")}
-            indexed = {e.payload.path for e in self._disk.entries()}
-            assert files == indexed, (files ^ indexed)
-            assert sum(p.stat().st_size for p in files) == self._disk.used_bytes
+            written = {e.payload.path for e in self._disk.entries() if e.payload.data is None}
+            assert files == written, (files ^ written)
+            queued = sum(e.size_bytes for e in self._disk.entries() if e.payload.data is not None)
+            on_disk = sum(p.stat().st_size for p in files)
+            assert on_disk + queued == self._disk.used_bytes
 
 
 def fsync_dir(path: Path) -> None:
