@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.prefixmesh-installed
 
-.PHONY: all install demo test lint model bench-core clean
+.PHONY: all install demo test lint model bench-core clean browser
 
 all: test
 
@@ -30,9 +30,18 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -ra
+
+# headless Chromium for the dashboard's browser test (Debian package; sudo when not root);
+# where it cannot be installed the test is skipped and says why
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ command -v apt-get >/dev/null 2>&1 && S=$$([ "$$(id -u)" = 0 ] || echo sudo) && \
+	  $$S apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$S apt-get install -y -qq \
+	  --no-install-recommends chromium; } || \
+	echo "warning: could not install chromium: the dashboard browser test will be skipped"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

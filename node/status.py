@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["overview", "render_text", "fetch_overview", "StatusError", "PREFIXES_LISTED",
+__all__ = ["overview", "render_text", "fetch_overview", "cli_status", "StatusError", "PREFIXES_LISTED",
            "MAX_PEERS"]
 
 #: per namespace, the largest cached prefixes listed one by one
@@ -289,3 +289,45 @@ def fetch_overview(peer: str, *, api_key: str = "", timeout_s: float = 5.0) -> d
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise StatusError(f"{status_url(peer)}: {reason}") from None
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+
+def cli_status(args: Any, *, out=None) -> int:
+    """``prefixmesh status --peer URL [--watch] [--interval S] [--api-key KEY] [--json]``."""
+    import os
+    import shutil
+    import sys
+
+    out = out or sys.stdout
+    key = getattr(args, "api_key", None) or os.environ.get("PREFIXMESH_API_KEY", "")
+    interval = max(0.2, float(getattr(args, "interval", 2.0) or 2.0))
+    watch = bool(getattr(args, "watch", False))
+    rounds = getattr(args, "rounds", None)  # tests: stop --watch after that many screens
+    n = 0
+    try:
+        while True:
+            try:
+                ov = fetch_overview(args.peer, api_key=key)
+            except StatusError as exc:
+                if not watch:
+                    print(f"prefixmesh status: error: {exc}", file=sys.stderr)
+                    return 1
+                text = f"prefixmesh status: {exc} (retrying every {interval:g} s)"
+            else:
+                if getattr(args, "json", False):
+                    text = json.dumps(ov, indent=2)
+                else:
+                    size = shutil.get_terminal_size((100, 40))
+                    text = render_text(ov, width=size.columns, height=size.lines - 1)
+            if watch:
+                out.write("\x1b[H\x1b[2J")  # home + clear: one screen, redrawn in place
+            out.write(text + "\n")
+            out.flush()
+            n += 1
+            if not watch or (rounds is not None and n >= rounds):
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,76 @@
+"""node/status.py's pure parts: the terminal screen of an overview and the URL rules.
+``prefixmesh status`` against real nodes: tests/test_dashboard_swarm.py."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+from prefixmesh.node.status import cli_status, render_text, status_url
+
+OV = {
+    "generated_at": 1.0,
+    "node": {"peer_id": "12D3KooWSelfSelfSelf", "addrs": ["/ip4/127.0.0.1/tcp/1/p2p/x"],
+             "model": "abcd", "policy": "prefixmesh", "uptime_s": 12.0,
+             "requests_in_flight": 0,
+             "engine": {"active": 1, "queue_depth": 0, "kv_used_bytes": 512 << 20,
+                        "kv_capacity_bytes": 1 << 30, "prefill_tps": 400.0, "decode_tps": 90.0},
+             "infer": {"requests": 3, "served_local": 2, "forwarded": 1, "fallbacks": 0,
+                       "errors": 0, "rate_limited": 0}},
+    "peers": [{"peer_id": "12D3KooWPeerAAAA1111", "addrs": [], "up": True, "rtt_ms": 0.8,
+               "queue_depth": 0, "active": 0, "cached_blocks": 40, "kv_used_bytes": 0,
+               "digest_age_s": 1.0, "trust": 0.93},
+              {"peer_id": "12D3KooWPeerBBBB2222", "addrs": [], "up": False, "rtt_ms": None,
+               "queue_depth": 0, "active": 0, "cached_blocks": 0, "kv_used_bytes": None,
+               "digest_age_s": None, "trust": None}],
+    "namespaces": [{"name": "public", "ns_id": "00", "visibility": "public", "prefixes": 2,
+                    "tokens": 700, "ram_bytes": 3 << 20, "disk_bytes": 0, "largest": []}],
+    "cache": {"hits_ram": 4, "hits_disk": 1, "misses": 2},
+    "recent": [{"at": 1.0, "id": "0123456789ab", "entry": True, "action": "forward",
+                "reason": "r", "served_by": "12D3KooWPeerAAAA1111",
+                "route": ["Self: forward (r)", "AAAA1111: serve (cached)"],
+                "prompt_tokens": 300, "cached_tokens": 288, "completion_tokens": 4,
+                "ttft_ms": 120.0, "total_ms": 300.0, "error": ""},
+               {"at": 1.0, "id": "ffffffffffff", "entry": False, "action": "reject",
+                "reason": "unauthorized", "served_by": "", "route": [], "prompt_tokens": 0,
+                "cached_tokens": 0, "completion_tokens": 0, "ttft_ms": None,
+                "total_ms": 1.0, "error": "unauthorized"}],
+}
+
+
+def test_render_text_is_one_screen_with_the_facts():
+    text = render_text(OV, width=100, height=40)
+    lines = text.splitlines()
+    assert len(lines) <= 40 and all(len(line) <= 100 for line in lines)
+    assert "12D3KooWSelfSelfSelf" in lines[0]
+    assert "peers (1 up of 2)" in text
+    assert "AAAA1111" in text and "0.93" in text and "BBBB2222" in text
+    assert "public" in text and "700 tokens" in text and "4 RAM" in text
+    assert "288/300 cached" in text and "AAAA1111: serve (cached)" in text
+    assert "error unauthorized" in text
+    assert "50%" in text  # KV usage
+
+
+def test_render_text_fits_a_small_terminal():
+    text = render_text(OV, width=60, height=12)
+    assert len(text.splitlines()) <= 12 and max(map(len, text.splitlines())) <= 60
+
+
+def test_render_text_of_a_sparse_overview():
+    text = render_text({"node": {"peer_id": "x"}, "peers": [], "namespaces": [], "recent": []})
+    assert "peers (0 up of 0)" in text and "last requests (0)" in text
+
+
+def test_status_url_forms():
+    assert status_url("127.0.0.1:8080") == "http://127.0.0.1:8080/prefixmesh/overview"
+    assert status_url("http://h:1/") == "http://h:1/prefixmesh/overview"
+    assert status_url("https://h") == "https://h/prefixmesh/overview"
+
+
+def test_cli_status_unreachable_is_one_line_and_exit_1(capsys):
+    args = SimpleNamespace(peer="127.0.0.1:1", api_key="", watch=False, interval=1.0,
+                           json=False, rounds=None)
+    assert cli_status(args, out=io.StringIO()) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("prefixmesh status: error: http://127.0.0.1:1/") and \
+        len(err.splitlines()) == 1
