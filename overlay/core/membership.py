@@ -1,0 +1,520 @@
+"""Membership: who is in the mesh and alive, SWIM-style, with bounded per-node traffic.
+
+Why not all-to-all heartbeats: they cost O(N) messages per node per period, so a 1,024-node
+mesh spends its whole budget saying "still here". SWIM (Das, Gupta, Motivala, DSN 2002)
+probes one member per period and spreads what it learns on the probe messages themselves:
+
+* **Probing.** Every ``PROBE_INTERVAL_S`` a node pings the next member of a shuffled
+  round-robin list (each member is probed once per round: bounded detection time). No ACK
+  within ``PROBE_TIMEOUT_S``: it asks ``INDIRECT_PROBES`` other members to ping the target
+  for it (PING-REQ), so one bad link does not condemn a peer. No ACK by the end of the
+  period: the target becomes *suspect*.
+* **Suspicion.** A suspect is declared *dead* after ``suspicion_timeout_s`` unless it
+  refutes: a node that hears it is suspected raises its incarnation number and spreads
+  ALIVE with it. Incarnations order every claim about a member (see :func:`supersedes`).
+  The timeout grows with log N because dissemination does.
+* **Dissemination.** State changes are queued and piggybacked on PING/PING-REQ/ACK, at most
+  ``MAX_PIGGYBACK`` per message, fewest-sent first and newest first among those, each ``RETRANSMIT_MULT * ceil(log10(N+1))``
+  times: O(log N) periods to reach everyone, no extra messages.
+
+The node's start incarnation comes from outside (the shell passes its wall-clock epoch, as
+it does for digest records), so a restarted node outranks what the mesh remembers of its
+previous run. Dead members are remembered for ``DEAD_RETAIN_S`` to outrank stale ALIVE
+claims, then forgotten (bounded memory; ``MAX_MEMBERS`` bounds the table).
+
+The state machine is pure, in the style of h11: :meth:`Membership.tick` and
+:meth:`Membership.receive` take ``now`` and return the messages to send as
+:class:`Send` values; :meth:`next_deadline` says when ``tick`` must run next; state
+changes are collected as :class:`MemberEvent` values (:meth:`drain_events`). The node
+(trio + libp2p streams) and the simulator (``bench/membership.py``) drive this same class.
+
+Wire form (:func:`encode_message` / :func:`decode_message`): one CBOR array
+``[type, seq, incarnation, target, updates]``, updates ``[peer, incarnation, state, addrs]``;
+decoding is bounded (:data:`MAX_MESSAGE_BYTES`) and raises only :class:`MembershipError`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import cbor2
+
+from .digest import DigestError, loads_bounded
+
+__all__ = [
+    "ALIVE", "SUSPECT", "DEAD", "PROBE_INTERVAL_S", "PROBE_TIMEOUT_S", "INDIRECT_PROBES",
+    "MAX_PIGGYBACK", "MAX_MEMBERS", "MAX_MESSAGE_BYTES", "Update", "Ping", "PingReq", "Ack",
+    "Message", "Send", "MemberEvent", "Membership", "MembershipError", "supersedes",
+    "suspicion_timeout_s", "retransmits", "encode_message", "decode_message",
+]
+
+ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
+_STATE_CODES = {ALIVE: 0, SUSPECT: 1, DEAD: 2}
+_STATE_NAMES = {v: k for k, v in _STATE_CODES.items()}
+
+# SWIM's period; 1 s gives ~1.6 s to a first suspicion and ~4 messages/s per node.
+PROBE_INTERVAL_S = 1.0
+# Loopback and LAN RTTs are ms, a relayed or intercontinental one ~0.3 s: half a period
+# leaves the indirect probes the other half.
+PROBE_TIMEOUT_S = 0.5
+INDIRECT_PROBES = 3  # SWIM's k: false-positive odds fall geometrically with it
+SUSPICION_MULT = 4  # memberlist's default: timeout = 4 x log10(N) periods (>= 4 periods)
+RETRANSMIT_MULT = 4
+MAX_PIGGYBACK = 8  # ~0.5 KB of updates at most per message
+DEAD_RETAIN_S = 120.0  # long enough to outrank a stale ALIVE still circulating
+MAX_MEMBERS = 16_384
+MAX_ADDRS = 4
+MAX_ADDR_CHARS = 256
+MAX_PEER_ID_BYTES = 64
+MAX_MESSAGE_BYTES = 16 * 1024
+_MAX_INCARNATION = 2**53  # fits a float-free CBOR int and a JSON number
+
+_PING, _PING_REQ, _ACK = 0, 1, 2
+
+
+class MembershipError(ValueError):
+    """A membership message is malformed (the message says what was wrong)."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One claim about a member: ``peer`` is in ``state`` as of ``incarnation``."""
+
+    peer: bytes
+    incarnation: int
+    state: str
+    addrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Ping:
+    seq: int
+    incarnation: int  # the sender's own incarnation
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True)
+class PingReq:
+    seq: int
+    incarnation: int
+    target: bytes  # ping this member for me and pass its ACK back
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True)
+class Ack:
+    seq: int
+    incarnation: int
+    target: bytes  # the member whose liveness this ACK proves
+    updates: tuple[Update, ...] = ()
+
+
+Message = Ping | PingReq | Ack
+
+
+@dataclass(frozen=True)
+class Send:
+    to: bytes
+    message: Message
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    peer: bytes
+    state: str  # ALIVE (joined or refuted), SUSPECT, DEAD, or "forgotten"
+    addrs: tuple[str, ...] = ()
+    incarnation: int = 0
+
+
+def supersedes(new: Update, old: Update) -> bool:
+    """Whether claim ``new`` replaces ``old`` about the same member (SWIM's ordering).
+
+    A higher incarnation always wins; at the same incarnation DEAD beats SUSPECT beats ALIVE,
+    so only the member itself (by raising its incarnation) can refute a suspicion.
+    """
+    if new.incarnation != old.incarnation:
+        return new.incarnation > old.incarnation
+    return _STATE_CODES[new.state] > _STATE_CODES[old.state]
+
+
+def suspicion_timeout_s(n_members: int) -> float:
+    return SUSPICION_MULT * max(1.0, math.log10(max(n_members, 1))) * PROBE_INTERVAL_S
+
+
+def retransmits(n_members: int) -> int:
+    return RETRANSMIT_MULT * max(1, math.ceil(math.log10(n_members + 1)))
+
+
+@dataclass
+class _Member:
+    update: Update
+    since: float  # when it entered its current state (our clock)
+
+
+@dataclass
+class _Probe:
+    target: bytes
+    seq: int
+    started: float
+    acked: bool = False
+    indirect_sent: bool = False
+
+
+class Membership:
+    """One node's SWIM state machine (see the module docstring)."""
+
+    def __init__(self, self_id: bytes, *, now: float, incarnation: int, rng: random.Random,
+                 addrs: Sequence[str] = ()):
+        self.self_id = self_id
+        self.incarnation = int(incarnation)
+        self.addrs = tuple(addrs)[:MAX_ADDRS]
+        self._rng = rng
+        self._members: dict[bytes, _Member] = {}
+        self._ids: list[bytes] = []  # the members' ids, for O(1) random choice
+        self._index: dict[bytes, int] = {}
+        self._suspects: dict[bytes, float] = {}  # peer -> suspected since
+        self._dead: deque[tuple[float, bytes]] = deque()  # (declared dead at, peer)
+        # dissemination queue: bucket k holds the updates sent k times (fewest-sent first)
+        self._buckets: list[dict[bytes, Update]] = [{}]
+        self._bucket_of: dict[bytes, int] = {}
+        self._order: list[bytes] = []  # this round's probe order
+        self._probe: _Probe | None = None
+        self._next_probe_at = now
+        self._seq = 0
+        self._relays: dict[int, tuple[bytes, int, float]] = {}  # our seq -> (asker, seq, t)
+        self._events: list[MemberEvent] = []
+        self._enqueue(self._self_update())
+
+    # --- what the shell reads --------------------------------------------------------
+
+    def state_of(self, peer: bytes) -> str | None:
+        m = self._members.get(peer)
+        return m.update.state if m else None
+
+    def alive(self) -> list[bytes]:
+        """Members believed alive or merely suspected (still routable), not ourselves."""
+        return [p for p, m in self._members.items() if m.update.state != DEAD]
+
+    def addrs_of(self, peer: bytes) -> tuple[str, ...]:
+        m = self._members.get(peer)
+        return m.update.addrs if m else ()
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def drain_events(self) -> list[MemberEvent]:
+        out, self._events = self._events, []
+        return out
+
+    def next_deadline(self) -> float:
+        """The earliest ``now`` at which :meth:`tick` has something to do."""
+        times = [self._next_probe_at]
+        p = self._probe
+        if p is not None and not p.acked and not p.indirect_sent:
+            times.append(p.started + PROBE_TIMEOUT_S)
+        if self._suspects:
+            timeout = suspicion_timeout_s(len(self._members) + 1)
+            times.append(min(self._suspects.values()) + timeout)
+        return min(times)
+
+    # --- inputs -------------------------------------------------------------------------
+
+    def learn_state(self, updates: Iterable[Update], now: float) -> None:
+        """Take a full member list (a push-pull sync, or a snapshot at start) without
+        gossiping it on: its members spread their own news."""
+        for u in updates:
+            self._apply(u, now, gossip=False)
+
+    def snapshot(self) -> list[Update]:
+        """Every member as we know it, ourselves included (what :meth:`learn_state` takes)."""
+        return [self._self_update(), *(m.update for m in self._members.values())]
+
+    def join(self, peer: bytes, now: float, addrs: Sequence[str] = ()) -> None:
+        """Learn a member out of band (bootstrap peer, mDNS, a DHT record): assumed alive
+        at incarnation 0, so any claim the mesh holds about it outranks this one."""
+        if peer != self.self_id and peer not in self._members:
+            # not gossiped: every member spreads its own ALIVE, with its real incarnation
+            self._apply(Update(peer, 0, ALIVE, tuple(addrs)[:MAX_ADDRS]), now, gossip=False)
+
+    def tick(self, now: float) -> list[Send]:
+        out: list[Send] = []
+        self._expire_suspects(now)
+        self._forget_dead(now)
+        p = self._probe
+        if (p is not None and not p.acked and not p.indirect_sent
+                and now >= p.started + PROBE_TIMEOUT_S):
+            out.extend(self._indirect_probes(p))
+        if now >= self._next_probe_at:
+            self._end_probe(now)
+            out.extend(self._start_probe(now))
+            self._next_probe_at = now + PROBE_INTERVAL_S
+        return out
+
+    def receive(self, sender: bytes, message: Message, now: float) -> list[Send]:
+        """Handle one message from ``sender`` (the transport vouches for the sender's id)."""
+        if sender == self.self_id:
+            return []
+        for u in message.updates:
+            self._apply(u, now)
+        self._note_sender(sender, message.incarnation, now)
+        if isinstance(message, Ping):
+            return [self._send(sender, Ack(message.seq, self.incarnation, self.self_id,
+                                          self._piggyback(prefer=sender)))]
+        if isinstance(message, PingReq):
+            if message.target == self.self_id:
+                return [self._send(sender, Ack(message.seq, self.incarnation, self.self_id,
+                                              self._piggyback()))]
+            self._seq += 1
+            self._relays[self._seq] = (sender, message.seq, now)
+            return [self._send(message.target, Ping(self._seq, self.incarnation,
+                                                    self._piggyback()))]
+        return self._on_ack(sender, message, now)
+
+    # --- probing ------------------------------------------------------------------------
+
+    def _start_probe(self, now: float) -> list[Send]:
+        target = self._next_target()
+        if target is None:
+            self._probe = None
+            return []
+        self._seq += 1
+        self._probe = _Probe(target, self._seq, now)
+        return [self._send(target, Ping(self._seq, self.incarnation, self._piggyback()))]
+
+    def _next_target(self) -> bytes | None:
+        while True:
+            if not self._order:
+                self._order = [p for p, m in self._members.items() if m.update.state != DEAD]
+                if not self._order:
+                    return None
+                self._rng.shuffle(self._order)
+            peer = self._order.pop()
+            m = self._members.get(peer)
+            if m is not None and m.update.state != DEAD:
+                return peer
+
+    def _indirect_probes(self, p: _Probe) -> list[Send]:
+        p.indirect_sent = True
+        chosen: set[bytes] = set()
+        for _ in range(4 * INDIRECT_PROBES):  # random tries: O(k), not O(N)
+            if len(chosen) == INDIRECT_PROBES or len(self._ids) <= 1:
+                break
+            x = self._ids[self._rng.randrange(len(self._ids))]
+            if x != p.target and self._members[x].update.state == ALIVE:
+                chosen.add(x)
+        return [self._send(h, PingReq(p.seq, self.incarnation, p.target, self._piggyback()))
+                for h in sorted(chosen)]
+
+    def _end_probe(self, now: float) -> None:
+        p = self._probe
+        if p is None or p.acked:
+            return
+        m = self._members.get(p.target)
+        if m is not None and m.update.state == ALIVE:
+            u = m.update
+            self._apply(Update(u.peer, u.incarnation, SUSPECT, u.addrs), now)
+
+    def _on_ack(self, sender: bytes, ack: Ack, now: float) -> list[Send]:
+        relay = self._relays.pop(ack.seq, None)
+        if relay is not None:
+            asker, seq, _ = relay
+            return [self._send(asker, Ack(seq, self.incarnation, ack.target,
+                                          self._piggyback()))]
+        p = self._probe
+        if p is not None and ack.seq == p.seq and ack.target == p.target:
+            p.acked = True
+        return []
+
+    # --- state --------------------------------------------------------------------------
+
+    def _self_update(self) -> Update:
+        return Update(self.self_id, self.incarnation, ALIVE, self.addrs)
+
+    def _note_sender(self, sender: bytes, incarnation: int, now: float) -> None:
+        m = self._members.get(sender)
+        if m is None or (m.update.state == DEAD and incarnation > m.update.incarnation):
+            # a direct message proves the sender is up at the incarnation it states
+            self._apply(Update(sender, incarnation, ALIVE, m.update.addrs if m else ()), now)
+
+    def _apply(self, u: Update, now: float, *, gossip: bool = True) -> None:
+        if u.peer == self.self_id:
+            if u.state != ALIVE and u.incarnation >= self.incarnation:
+                self.incarnation = min(u.incarnation + 1, _MAX_INCARNATION)  # refute
+                self._enqueue(self._self_update())
+            return
+        m = self._members.get(u.peer)
+        if m is not None:
+            if not supersedes(u, m.update):
+                return
+            if not u.addrs and m.update.addrs:
+                u = Update(u.peer, u.incarnation, u.state, m.update.addrs)
+        elif u.state == DEAD or not self._room_for_one(now):
+            return  # nothing to forget about a stranger; a full table keeps what it has
+        else:
+            self._index[u.peer] = len(self._ids)
+            self._ids.append(u.peer)
+        changed = m is None or m.update.state != u.state
+        since = now if changed else m.since
+        self._members[u.peer] = _Member(u, since)
+        self._suspects.pop(u.peer, None)
+        if u.state == SUSPECT:
+            self._suspects[u.peer] = since
+        elif u.state == DEAD and changed:
+            self._dead.append((now, u.peer))
+        if gossip:
+            self._enqueue(u)
+        if changed:
+            self._events.append(MemberEvent(u.peer, u.state, u.addrs, u.incarnation))
+
+    def _remove(self, peer: bytes) -> None:
+        del self._members[peer]
+        self._suspects.pop(peer, None)
+        i = self._index.pop(peer)
+        last = self._ids.pop()
+        if last != peer:  # swap-remove keeps random choice O(1)
+            self._ids[i] = last
+            self._index[last] = i
+        self._dequeue(peer)
+        self._events.append(MemberEvent(peer, "forgotten"))
+
+    def _room_for_one(self, now: float) -> bool:
+        if len(self._members) < MAX_MEMBERS:
+            return True
+        self._forget_dead(now + DEAD_RETAIN_S)  # a full table forgets its dead early
+        return len(self._members) < MAX_MEMBERS
+
+    def _expire_suspects(self, now: float) -> None:
+        timeout = suspicion_timeout_s(len(self._members) + 1)
+        for peer, since in list(self._suspects.items()):
+            if now >= since + timeout:
+                u = self._members[peer].update
+                self._apply(Update(u.peer, u.incarnation, DEAD, u.addrs), now)
+
+    def _forget_dead(self, now: float) -> None:
+        while self._dead and now >= self._dead[0][0] + DEAD_RETAIN_S:
+            t, peer = self._dead.popleft()
+            m = self._members.get(peer)
+            if m is not None and m.update.state == DEAD and m.since == t:
+                self._remove(peer)
+        for seq, (_, _, t) in list(self._relays.items()):
+            if now >= t + PROBE_INTERVAL_S:
+                del self._relays[seq]
+
+    # --- dissemination ------------------------------------------------------------------
+
+    def _enqueue(self, u: Update) -> None:
+        self._dequeue(u.peer)
+        self._buckets[0][u.peer] = u
+        self._bucket_of[u.peer] = 0
+
+    def _dequeue(self, peer: bytes) -> None:
+        k = self._bucket_of.pop(peer, None)
+        if k is not None:
+            del self._buckets[k][peer]
+
+    def _piggyback(self, prefer: bytes | None = None) -> tuple[Update, ...]:
+        """Up to MAX_PIGGYBACK queued updates, fewest-sent first; a claim about the
+        receiver itself goes first, so a wrongly suspected member learns it and refutes."""
+        chosen: list[Update] = []
+        m = self._members.get(prefer) if prefer is not None else None
+        if m is not None and m.update.state != ALIVE:
+            chosen.append(m.update)
+        for bucket in self._buckets:
+            for u in reversed(bucket.values()):  # newest first: fresh news outruns old
+                if len(chosen) == MAX_PIGGYBACK:
+                    break
+                if u.peer != prefer or m is None or m.update.state == ALIVE:
+                    chosen.append(u)
+            if len(chosen) == MAX_PIGGYBACK:
+                break
+        limit = retransmits(len(self._members) + 1)
+        for u in chosen:
+            k = self._bucket_of.get(u.peer)
+            if k is None or self._buckets[k].get(u.peer) is not u:
+                continue  # the preferred claim was not (or no longer) queued
+            del self._buckets[k][u.peer]
+            if k + 1 >= limit:
+                del self._bucket_of[u.peer]
+                continue
+            if k + 1 == len(self._buckets):
+                self._buckets.append({})
+            self._buckets[k + 1][u.peer] = u
+            self._bucket_of[u.peer] = k + 1
+        return tuple(chosen)
+
+    def _send(self, to: bytes, message: Message) -> Send:
+        return Send(to, message)
+
+
+# --- codec -----------------------------------------------------------------------------
+
+
+def _update_obj(u: Update) -> list:
+    return [u.peer, u.incarnation, _STATE_CODES[u.state], list(u.addrs)]
+
+
+def encode_message(message: Message) -> bytes:
+    kind = _PING if isinstance(message, Ping) else _PING_REQ if isinstance(message, PingReq) \
+        else _ACK
+    target = b"" if isinstance(message, Ping) else message.target
+    return cbor2.dumps([kind, message.seq, message.incarnation, target,
+                        [_update_obj(u) for u in message.updates]])
+
+
+def _int(x: object, what: str, hi: int = _MAX_INCARNATION) -> int:
+    if type(x) is not int or not 0 <= x <= hi:
+        raise MembershipError(f"{what} must be an integer in 0..{hi}")
+    return x
+
+
+def _peer(x: object, what: str, *, empty_ok: bool = False) -> bytes:
+    if not isinstance(x, bytes) or len(x) > MAX_PEER_ID_BYTES or (not x and not empty_ok):
+        raise MembershipError(f"{what} must be a peer id of 1..{MAX_PEER_ID_BYTES} bytes")
+    return x
+
+
+def _decode_update(obj: object) -> Update:
+    if not isinstance(obj, list) or len(obj) != 4:
+        raise MembershipError("an update must be [peer, incarnation, state, addrs]")
+    peer = _peer(obj[0], "update peer")
+    inc = _int(obj[1], "update incarnation")
+    state = _STATE_NAMES.get(obj[2]) if type(obj[2]) is int else None
+    if state is None:
+        raise MembershipError(f"unknown member state {obj[2]!r}")
+    addrs = obj[3]
+    if (not isinstance(addrs, list) or len(addrs) > MAX_ADDRS
+            or not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDR_CHARS for a in addrs)):
+        raise MembershipError(f"update addrs must be at most {MAX_ADDRS} short strings")
+    return Update(peer, inc, state, tuple(addrs))
+
+
+def decode_message(data: bytes) -> Message:
+    """Decode one membership message, or raise :class:`MembershipError`."""
+    try:
+        obj = loads_bounded(data, max_bytes=MAX_MESSAGE_BYTES, max_items=4096)
+    except DigestError as exc:
+        raise MembershipError(f"membership message: {exc}") from None
+    if not isinstance(obj, list) or len(obj) != 5:
+        raise MembershipError("a membership message must be [type, seq, inc, target, updates]")
+    kind, seq, inc, target, updates = obj
+    seq = _int(seq, "seq")
+    inc = _int(inc, "incarnation")
+    if not isinstance(updates, list) or len(updates) > MAX_PIGGYBACK * 2:
+        raise MembershipError(f"at most {MAX_PIGGYBACK * 2} updates per message")
+    ups = tuple(_decode_update(u) for u in updates)
+    if kind == _PING:
+        _peer(target, "ping target", empty_ok=True)
+        return Ping(seq, inc, ups)
+    if kind in (_PING_REQ, _ACK):
+        tgt = _peer(target, "target")
+        return PingReq(seq, inc, tgt, ups) if kind == _PING_REQ else Ack(seq, inc, tgt, ups)
+    raise MembershipError(f"unknown membership message type {kind!r}")
+
+
+def message_bytes(messages: Iterable[Send]) -> int:
+    """Wire bytes of ``messages`` (for traffic accounting in the simulator and the node)."""
+    return sum(len(encode_message(s.message)) for s in messages)

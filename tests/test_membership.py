@@ -1,0 +1,214 @@
+"""overlay/core/membership.py: SWIM ordering, codec, and the state machine's guarantees
+(driven by bench/membership.py's simulated network, the same harness the figures use)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixmesh.bench.membership import Config, run
+from prefixmesh.overlay.core import membership as mb
+from prefixmesh.overlay.core.membership import (
+    ALIVE,
+    DEAD,
+    MAX_PIGGYBACK,
+    SUSPECT,
+    Ack,
+    Membership,
+    MembershipError,
+    Ping,
+    PingReq,
+    Update,
+    decode_message,
+    encode_message,
+    supersedes,
+)
+
+peers = st.binary(min_size=1, max_size=64)
+states = st.sampled_from([ALIVE, SUSPECT, DEAD])
+addrs = st.lists(st.text(min_size=1, max_size=40), max_size=4).map(tuple)
+updates = st.builds(Update, peers, st.integers(0, 2**53), states, addrs)
+messages = st.one_of(
+    st.builds(Ping, st.integers(0, 2**53), st.integers(0, 2**53),
+              st.lists(updates, max_size=MAX_PIGGYBACK).map(tuple)),
+    st.builds(PingReq, st.integers(0, 2**53), st.integers(0, 2**53), peers,
+              st.lists(updates, max_size=MAX_PIGGYBACK).map(tuple)),
+    st.builds(Ack, st.integers(0, 2**53), st.integers(0, 2**53), peers,
+              st.lists(updates, max_size=MAX_PIGGYBACK).map(tuple)),
+)
+
+
+@given(updates, updates)
+def test_supersedes_is_a_strict_order(a, b):
+    b = Update(a.peer, b.incarnation, b.state)
+    assert not (supersedes(a, b) and supersedes(b, a))
+    assert not supersedes(a, a)
+    if a.incarnation != b.incarnation or a.state != b.state:
+        assert supersedes(a, b) or supersedes(b, a)
+
+
+def test_only_a_higher_incarnation_refutes_a_suspicion():
+    p = b"p"
+    assert supersedes(Update(p, 3, SUSPECT), Update(p, 3, ALIVE))
+    assert not supersedes(Update(p, 3, ALIVE), Update(p, 3, SUSPECT))
+    assert supersedes(Update(p, 4, ALIVE), Update(p, 3, DEAD))
+
+
+@given(messages)
+def test_codec_round_trips(msg):
+    assert decode_message(encode_message(msg)) == msg
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=300))
+def test_decoder_raises_only_its_own_error(data):
+    try:
+        decode_message(data)
+    except MembershipError:
+        pass
+
+
+@pytest.mark.parametrize("obj", [
+    [0, 1, 1, b"", [[b"", 1, 0, []]]],          # empty peer id
+    [0, 1, 1, b"", [[b"p", -1, 0, []]]],        # negative incarnation
+    [0, 1, 1, b"", [[b"p", 1, 7, []]]],         # unknown state
+    [1, 1, 1, b"", []],                          # PING-REQ without a target
+    [9, 1, 1, b"t", []],                         # unknown type
+    [0, 1, 1, b"", [[b"p", 1, 0, ["a"] * 5]]],  # too many addrs
+    [0, 1.5, 1, b"", []],                        # float seq
+])
+def test_decoder_rejects_malformed_messages(obj):
+    import cbor2
+    with pytest.raises(MembershipError):
+        decode_message(cbor2.dumps(obj))
+
+
+def test_oversize_message_is_refused_before_decoding():
+    with pytest.raises(MembershipError, match="limit"):
+        decode_message(b"\x00" * (mb.MAX_MESSAGE_BYTES + 1))
+
+
+def _pair():
+    a = Membership(b"a", now=0.0, incarnation=1, rng=random.Random(1))
+    b = Membership(b"b", now=0.0, incarnation=1, rng=random.Random(2))
+    a.join(b"b", 0.0)
+    b.join(b"a", 0.0)
+    return a, b
+
+
+def test_a_ping_is_answered_and_carries_news():
+    a, b = _pair()
+    sends = a.tick(0.0)
+    assert [type(s.message) for s in sends] == [Ping] and sends[0].to == b"b"
+    reply = b.receive(b"a", sends[0].message, 0.01)
+    assert isinstance(reply[0].message, Ack) and reply[0].message.target == b"b"
+    # a's own ALIVE (incarnation 1) travelled on the PING and outranks b's join at 0
+    assert any(u.peer == b"a" and u.incarnation == 1 for u in sends[0].message.updates)
+    assert a.receive(b"b", reply[0].message, 0.02) == []
+
+
+def test_an_unanswered_probe_goes_indirect_then_suspect_then_dead():
+    a = Membership(b"a", now=0.0, incarnation=1, rng=random.Random(1))
+    for p in (b"t", b"h1", b"h2", b"h3"):
+        a.join(p, 0.0)
+    target = None
+    t = 0.0
+    while target != b"t":  # run rounds until t is probed
+        sends = a.tick(t)
+        target = sends[0].to if sends else None
+        if target != b"t":  # the others answer
+            a.receive(target, Ack(sends[0].message.seq, 1, target), t + 0.01)
+            t += mb.PROBE_INTERVAL_S
+    indirect = a.tick(t + mb.PROBE_TIMEOUT_S)
+    assert {s.to for s in indirect} == {b"h1", b"h2", b"h3"}
+    assert all(isinstance(s.message, PingReq) and s.message.target == b"t" for s in indirect)
+    a.tick(t + mb.PROBE_INTERVAL_S)
+    assert a.state_of(b"t") == SUSPECT
+    a.tick(t + mb.PROBE_INTERVAL_S + mb.suspicion_timeout_s(5) + 0.01)
+    assert a.state_of(b"t") == DEAD
+    assert b"t" not in a.alive()
+    states = [e.state for e in a.drain_events() if e.peer == b"t"]
+    assert states[-2:] == [SUSPECT, DEAD]
+
+
+def test_an_indirect_ack_clears_the_probe():
+    a, b = _pair()
+    a.join(b"c", 0.0)
+    c = Membership(b"c", now=0.0, incarnation=1, rng=random.Random(3))
+    c.join(b"a", 0.0)
+    c.join(b"b", 0.0)
+    while True:
+        sends = a.tick(0.0)
+        if sends and sends[0].to == b"b":
+            break
+        a.receive(b"c", Ack(sends[0].message.seq, 1, b"c"), 0.0)
+    probe_seq = sends[0].message.seq
+    # the direct PING is lost; a asks c, c pings b, b answers c, c relays to a
+    [req] = [s for s in a.tick(mb.PROBE_TIMEOUT_S) if s.to == b"c"]
+    [ping] = c.receive(b"a", req.message, 0.6)
+    [ack] = b.receive(b"c", ping.message, 0.61)
+    [relayed] = c.receive(b"b", ack.message, 0.62)
+    assert relayed.to == b"a" and relayed.message.seq == probe_seq
+    a.receive(b"c", relayed.message, 0.63)
+    a.tick(mb.PROBE_INTERVAL_S)
+    assert a.state_of(b"b") == ALIVE
+
+
+def test_a_suspected_member_refutes_with_a_higher_incarnation():
+    a, b = _pair()
+    b.receive(b"a", Ping(1, 1, (Update(b"b", 1, SUSPECT),)), 0.0)
+    assert b.incarnation == 2
+    sends = b.tick(0.0)
+    news = [u for s in sends for u in s.message.updates if u.peer == b"b"]
+    assert news and news[0].incarnation == 2 and news[0].state == ALIVE
+    a.receive(b"b", Ping(5, 1, (Update(b"b", 1, SUSPECT),)), 0.0)
+    assert a.state_of(b"b") == SUSPECT
+    a.receive(b"b", sends[0].message, 0.1)
+    assert a.state_of(b"b") == ALIVE
+
+
+def test_piggyback_is_bounded_and_each_update_is_sent_a_bounded_number_of_times():
+    a, _ = _pair()
+    for i in range(40):
+        a.receive(b"b", Ping(i, 1, tuple(Update(bytes([i, j]), 1, ALIVE) for j in range(8))),
+                  0.0)
+    sent: dict[bytes, int] = {}
+    for k in range(1000):  # 321 updates x 12 sends / 8 per message < 1000 messages
+        for s in a.receive(b"b", Ping(1000 + k, 1), 0.0):
+            assert len(s.message.updates) <= MAX_PIGGYBACK
+            for u in s.message.updates:
+                sent[u.peer] = sent.get(u.peer, 0) + 1
+    limit = mb.retransmits(len(a) + 1)
+    assert sent and max(sent.values()) <= limit
+    assert a.receive(b"b", Ping(9999, 1), 0.0)[0].message.updates == ()  # drained
+
+
+def test_the_member_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(mb, "MAX_MEMBERS", 16)
+    a, _ = _pair()
+    for i in range(100):
+        a.receive(b"b", Ping(i, 1, (Update(b"x%d" % i, 1, ALIVE),)), 0.0)
+    assert len(a) <= 16
+
+
+def test_a_small_mesh_detects_every_crash_and_never_wrongly_kills_on_a_clean_network():
+    r = run(Config(nodes=16, seconds=150, crash_every_s=20, seed=3))
+    # every crash but possibly the last (too close to the end) is known to all survivors
+    assert r.crashes >= 5 and len(r.detect_times) >= r.crashes - 1
+    assert max(r.detect_times) < 60  # SWIM's bound: rounds + suspicion + dissemination
+    assert r.false_deaths_per_node_hour == 0
+
+
+def test_lossy_links_and_short_freezes_cause_no_false_death():
+    r = run(Config(nodes=32, seconds=200, loss=0.05, freeze_every_s=10, freeze_s=2, seed=5))
+    assert r.false_deaths_per_node_hour == 0  # indirect probes and refutation absorb them
+
+
+def test_traffic_per_node_does_not_grow_with_n():
+    small = run(Config(nodes=16, seconds=90, seed=2))
+    big = run(Config(nodes=256, seconds=90, seed=2))
+    assert big.messages_per_node_s < 1.5 * small.messages_per_node_s
+    assert big.bytes_per_node_s < 1024
