@@ -160,3 +160,20 @@ def test_collector_skips_what_the_node_lacks():
     assert s[("prefixmesh:node_info", (("model", ""), ("peer_id", ME.peer_id_b58)))] == 1
     assert not any(k[0] == "prefixmesh:peers_up" for k in s)
     assert isinstance(NodeCollector(node).describe(), list)
+
+
+def test_grafana_dashboard_uses_only_metrics_that_exist():
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "grafana-dashboard.json"
+    dash = json.loads(path.read_text())
+    used = set(re.findall(r"prefixmesh:[a-z0-9_]+", json.dumps(dash)))
+    m = NodeMetrics(_fake_node())
+    m.request_done(done(1))
+    m.forwarded("forward", "x")
+    m.fallback("y")
+    m.request_done(done(2, error="no_route"))
+    exported = {name for name, _ in samples(m)}
+    assert used and used <= exported, used - exported
