@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.prefixmesh-installed
 
-.PHONY: all install demo test lint model bench-core clean browser
+.PHONY: all install demo test lint model bench-core clean browser natlab
 
 all: test
 
@@ -30,7 +30,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) browser
+test: $(STAMP) browser natlab
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -ra
 
@@ -42,6 +42,15 @@ browser:
 	  $$S apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$S apt-get install -y -qq \
 	  --no-install-recommends chromium; } || \
 	echo "warning: could not install chromium: the dashboard browser test will be skipped"
+
+# nft (Debian package nftables) for the NAT lab's routers (bench/natlab.py); without it
+# (or without root) the lab's tests are skipped and say why
+natlab:
+	@command -v nft >/dev/null 2>&1 || \
+	{ command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends nftables iproute2; } || \
+	echo "warning: could not install nftables: the NAT lab tests will be skipped"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
