@@ -1059,9 +1059,11 @@ def node_metrics(node):
     metrics = getattr(node, "metrics", None)
     if metrics is None:
         metrics = node.metrics = NodeMetrics(node)
-    fanout = getattr(node.infer, "observer", None)
-    if isinstance(fanout, ObserverFanout) and metrics not in fanout.observers:
-        fanout.add(metrics)
+    for fanout in (getattr(node, "observers", None), getattr(node.infer, "observer", None)):
+        if isinstance(fanout, ObserverFanout):
+            if metrics not in fanout.observers:
+                fanout.add(metrics)
+            break
     return metrics
 
 

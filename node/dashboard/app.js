@@ -69,7 +69,7 @@ function renderPeers(peers) {
   document.getElementById("peers-count").textContent = `${up} up of ${peers.length}`;
   document.getElementById("peers-body").replaceChildren(...peers.map((p) => el("tr",
     { class: "peer", "data-peer": p.peer_id, title: (p.addrs || []).join("\n") },
-    el("td", { class: "mono" }, p.peer_id),
+    el("td", { class: "mono", title: p.peer_id }, `…${p.peer_id.slice(-12)}`),
     el("td", { class: p.up ? "up" : "down" }, p.up ? "up" : "down"),
     el("td", { class: "num" }, fixed(p.rtt_ms, 1)),
     el("td", { class: "num" }, p.queue_depth),
