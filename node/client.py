@@ -191,11 +191,13 @@ class Client:
             while True:
                 remaining = deadline - time.time() + _GRACE_S
                 if remaining <= 0:
-                    raise ClientTimeout("no complete answer within the deadline")
+                    raise ClientTimeout(f"no complete answer within {deadline_s:g} s "
+                                        "(--timeout, [client].timeout_s)")
                 try:
                     frame = await fs.receive(timeout_s=remaining)
                 except PeerTimeout:
-                    raise ClientTimeout("no complete answer within the deadline") from None
+                    raise ClientTimeout(f"no complete answer within {deadline_s:g} s "
+                                        "(--timeout, [client].timeout_s)") from None
                 except HostError as exc:
                     raise ConnectionLost(f"connection lost: {exc}") from None
                 except wire.WireError as exc:
@@ -240,12 +242,14 @@ class Client:
 
     # --- CLI adapters (node/chat_cli.py) ---------------------------------------------
 
-    def chat_send(self, max_tokens: int, tenant: TenantSpec | None = None):
+    def chat_send(self, max_tokens: int, tenant: TenantSpec | None = None,
+                  deadline_s: float = 60.0):
         async def send(messages: list[dict[str, str]]):
             t0 = time.perf_counter()
             ttft = math.nan
             msgs = [(m["role"], m["content"]) for m in messages]
-            async with contextlib.aclosing(self.stream(msgs, tenant=tenant, max_tokens=max_tokens)) as items:
+            async with contextlib.aclosing(self.stream(
+                    msgs, tenant=tenant, max_tokens=max_tokens, deadline_s=deadline_s)) as items:
                 async for item in items:
                     if isinstance(item, str):
                         if math.isnan(ttft):
@@ -362,8 +366,10 @@ async def open_client_for_cli(cfg: Any) -> AsyncIterator[Client]:
     async with Client.connect(addr) as client:
         original = client.chat_send
 
-        def chat_send(max_tokens: int, tenant: TenantSpec | None = spec):
-            return original(max_tokens, tenant)
+        def chat_send(max_tokens: int, tenant: TenantSpec | None = spec,
+                      deadline_s: float | None = None):
+            timeout = getattr(getattr(cfg, "client", None), "timeout_s", 60.0)
+            return original(max_tokens, tenant, deadline_s or timeout)
 
         client.chat_send = chat_send  # type: ignore[method-assign]
         yield client

@@ -22,7 +22,8 @@ Sections and keys (defaults in parentheses; see ``examples/volunteer-node.toml``
     ``mdns`` (true): LAN discovery. ``key_file`` (``keys/node.key``): the node identity.
     ``cache_dir`` (``<cache>/kv``, see ``inference.model.cache_dir``): KV state on disk.
     ``ram_budget`` (1GiB) / ``disk_budget`` (8GiB): KV cache budgets (sizes, see ``sizes``).
-    ``log_level`` ("info"): error | warning | info | debug.
+    ``log_level`` ("info"): error | warning | info | debug. ``log_format`` ("text"): text |
+    json (one JSON object per line; ``node/logsetup.py``).
 ``[model]``
     ``path`` (absent: the embedded default model), ``n_ctx`` (4096), ``n_threads`` (0: llama.cpp
     picks), ``n_gpu_layers`` (0).
@@ -55,7 +56,8 @@ Sections and keys (defaults in parentheses; see ``examples/volunteer-node.toml``
     ``/dashboard`` (for a node without the gateway; off loopback it requires [http].api_key).
 ``[client]`` (used by ``chat``/``ask``/``peers``)
     ``peer`` (""): the node to talk to, a multiaddr with ``/p2p/ID``; ``tenant`` ("public");
-    ``max_tokens`` (512).
+    ``max_tokens`` (512); ``timeout_s`` (60): the deadline of one answer (the node stops
+    working on it then too).
 ``[tenants.NAME]``: see :mod:`prefixmesh.node.tenants`.
 
 Relative paths in a file are relative to that file's folder; relative defaults and flag
@@ -96,6 +98,7 @@ __all__ = [
     "NODE_FLAGS",
     "POLICY_NAMES",
     "LOG_LEVELS",
+    "LOG_FORMATS",
     "DEFAULT_LISTEN",
     "load_config",
     "config_to_toml",
@@ -109,6 +112,7 @@ DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
 POLICY_NAMES = ("prefixmesh", "paper", "round-robin", "random", "local", "consistent-hash",
                 "oracle")
 LOG_LEVELS = ("error", "warning", "info", "debug")
+LOG_FORMATS = ("text", "json")
 MAX_CONFIG_BYTES = 1024 * 1024
 _MAX_ADDRS = 64
 _REDACTED = "(redacted)"
@@ -456,6 +460,8 @@ class NodeSection:
     ram_budget: int = _f(1024**3, check=_size, doc="KV cache budget in memory", kind="size")
     disk_budget: int = _f(8 * 1024**3, check=_size, doc="KV cache budget on disk", kind="size")
     log_level: str = _f("info", check=_choice(LOG_LEVELS), doc=" | ".join(LOG_LEVELS))
+    log_format: str = _f("text", check=_choice(LOG_FORMATS),
+                         doc="text | json (one JSON object per line)")
 
 
 @dataclass
@@ -558,6 +564,8 @@ class ClientSection:
                    doc="node the CLI client talks to (multiaddr with /p2p/PEER_ID)")
     tenant: str = _f("public", check=_str, doc="tenant of requests ([tenants.NAME])")
     max_tokens: int = _f(512, check=_int(1, 1 << 20), doc="answer length limit")
+    timeout_s: float = _f(60.0, check=_float(0.0, 3600.0, lo_open=True),
+                          doc="give up on an answer after this many seconds")
 
 
 _SECTIONS: dict[str, type] = {
@@ -629,13 +637,16 @@ NODE_FLAGS: tuple[FlagSpec, ...] = (
              "NAME"),
     FlagSpec(("--hop-budget",), "routing.hop_budget", "most forwarding hops", "N"),
     FlagSpec(("--http",), "http.listen", "HTTP gateway HOST:PORT (default off)", "ADDR"),
+    FlagSpec(("--log-level",), "node.log_level", "log level: " + ", ".join(LOG_LEVELS),
+             "LEVEL"),
+    FlagSpec(("--log-format",), "node.log_format", "log format: text or json", "FORMAT"),
     FlagSpec(("-v", "--verbose"), "node.log_level", "more logging (-v: debug)", None, "count"),
 )
 
 
 # flags of the client commands (chat, ask, peers) that set [client] keys
 CLIENT_FLAGS = {"client.peer": "--peer", "client.tenant": "--tenant",
-                "client.max_tokens": "--max-tokens"}
+                "client.max_tokens": "--max-tokens", "client.timeout_s": "--timeout"}
 
 
 def flag_label(key: str) -> str:

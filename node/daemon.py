@@ -106,6 +106,7 @@ from prefixmesh.overlay.partgossip import PartitionGossip
 
 from .http_gateway import serve_node_http
 from .locks import LockError, lock_cache_dir, lock_key_file
+from .logsetup import configure_logging
 from .tenants import TenantRegistry
 
 __all__ = ["NodeOptions", "Node", "run_node", "main"]
@@ -610,13 +611,8 @@ class Node:
 
 def run_node(config, options: NodeOptions | None = None) -> int:
     """Run a node until SIGINT/SIGTERM (the CLI's ``prefixmesh node``)."""
-    level = getattr(logging, str(config.node.log_level).upper(), logging.INFO)
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # py-libp2p logs routine peer failures (e.g. DHT streams closed by clients) as
-    # warnings; they are not ours to act on unless debugging
-    for noisy in ("libp2p", "multiaddr", "zeroconf", "async_service", "anyio"):
-        logging.getLogger(noisy).setLevel(logging.DEBUG if level <= logging.DEBUG else logging.ERROR)
+    # one line per record; py-libp2p's routine peer failures at DEBUG (node/logsetup.py)
+    configure_logging(config.node.log_level, getattr(config.node, "log_format", "text"))
     from prefixmesh.inference.model import ModelFetchError
     from prefixmesh.overlay.core.identity import IdentityError
 
@@ -691,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spot-check", type=float, default=0.0, metavar="FRACTION",
                    help="re-execute this fraction of forwarded greedy requests (trust.py)")
     p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("--log-level", help="error | warning | info | debug (wins over -v)")
+    p.add_argument("--log-format", help="text | json")
     a = p.parse_args(argv)
     overrides = {
         "node.listen": a.listen,
@@ -700,7 +698,9 @@ def main(argv: list[str] | None = None) -> int:
         "node.mdns": bool(a.mdns),
         "node.ram_budget": a.ram_budget,
         "node.disk_budget": a.disk_budget,
-        "node.log_level": "debug" if a.verbose > 1 else ("info" if a.verbose else "warning"),
+        "node.log_level": a.log_level or (
+            "debug" if a.verbose > 1 else ("info" if a.verbose else "warning")),
+        "node.log_format": a.log_format,
         "model.path": a.model,
         "model.n_ctx": a.n_ctx,
         "model.n_threads": a.n_threads,

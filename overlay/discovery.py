@@ -156,13 +156,21 @@ async def bootstrap_loop(
             pending[peer] = transport
         directory.learn(peer, [transport], "bootstrap")  # our own id: checked there
     delay = retry_min_s
+    failures: dict[bytes, int] = {}
     while pending:
         for peer, transport in list(pending.items()):
             try:
                 await host.connect(peer, [transport])
                 del pending[peer]
+                if failures.pop(peer, 0):
+                    log.info("bootstrap peer %s reached", transport)
             except HostError as exc:
-                log.info("bootstrap %s not reachable yet: %s", transport, exc)
+                # one WARNING, then quiet retries: a peer that is down for an hour must
+                # not fill the log (libp2p's own lines about it are at DEBUG)
+                n = failures[peer] = failures.get(peer, 0) + 1
+                log.log(logging.WARNING if n == 1 else logging.DEBUG,
+                        "bootstrap peer %s not reachable (%s); retrying every %.0f s at most",
+                        transport, exc, retry_max_s)
         if pending:
             await trio.sleep(delay)
             delay = min(delay * 2, retry_max_s)

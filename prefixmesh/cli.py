@@ -87,11 +87,16 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     from prefixmesh.node.config import NODE_FLAGS
 
-    return {spec.key: getattr(args, _dest(spec)) for spec in NODE_FLAGS}
+    out: dict[str, Any] = {}
+    for spec in NODE_FLAGS:  # --log-level before -v: an explicit level wins over -v
+        if out.get(spec.key) is None:
+            out[spec.key] = getattr(args, _dest(spec))
+    return out
 
 
 def _dest(spec: Any) -> str:
-    return "cfg_" + spec.key.replace(".", "__")
+    # -v (a count) shares its key with --log-level, but not its argparse destination
+    return "cfg_" + spec.key.replace(".", "__") + ("__count" if spec.action == "count" else "")
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
@@ -128,6 +133,8 @@ def _client_config(args: argparse.Namespace) -> Any:
         overrides["client.tenant"] = args.tenant
     if getattr(args, "max_tokens", None) is not None:
         overrides["client.max_tokens"] = args.max_tokens
+    if getattr(args, "timeout", None) is not None:
+        overrides["client.timeout_s"] = args.timeout
     cfg = load_config(args.config, overrides)
     name = cfg.client.tenant
     if cfg.tenant(name) is None:
@@ -270,11 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE",
                        help="TOML file with [client] and [tenants.NAME] tables")
 
+    def answer_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--max-tokens", metavar="N",
+                       help="answer length limit [client.max_tokens; default 512]")
+        p.add_argument("--timeout", metavar="SECONDS",
+                       help="give up on an answer after this long [client.timeout_s; "
+                       "default 60]")
+
     p = sub.add_parser("chat", parents=[verbose], help="interactive chat through a node",
                        description="Interactive multi-turn chat as a light client. Slash "
                        "commands: /reset /stats /system TEXT /quit. Ctrl-C cancels the "
                        "current answer; Ctrl-C twice at the prompt or Ctrl-D exits.")
     client_flags(p)
+    answer_flags(p)
     p.set_defaults(handler=_cmd_chat)
 
     p = sub.add_parser("ask", parents=[verbose], help="ask one question and print the answer",
@@ -282,8 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     client_flags(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (answer and route statistics)")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help="answer length limit [client.max_tokens]")
+    answer_flags(p)
     p.add_argument("--system", metavar="TEXT", help="system prompt")
     p.add_argument("prompt", nargs="+", metavar="PROMPT")
     p.set_defaults(handler=_cmd_ask)
@@ -358,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     # `prefixmesh node -v` means debug logging *and* tracebacks, like `prefixmesh -v node`
     verbose = int(getattr(args, "verbose", 0) or 0) + int(
-        getattr(args, "cfg_node__log_level", 0) or 0)
+        getattr(args, "cfg_node__log_level__count", 0) or 0)
     name = args.command
     try:
         return args.handler(args)

@@ -1,0 +1,57 @@
+"""Logs for people, from real node processes (real libp2p, the real default model):
+one line per record with time and level, py-libp2p's noise about a bootstrap peer that is
+down kept out of the INFO log (one WARNING of ours instead), and ``--log-format json``
+lines that all parse."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _swarm import Swarm, ask, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real node processes and the real model
+
+_TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+
+
+def _dead_bootstrap() -> str:
+    with socket.socket() as s:  # a port nobody listens on (connections are refused)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWDLed76Dxeu3iEDzb8F13U3vaD24fqzNTnHA8cq9ej43i"
+
+
+def test_down_bootstrap_peer_is_one_warning_not_a_flood(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a", bootstrap=[_dead_bootstrap()], dht=True)  # -v: INFO
+        wait_until(lambda: "not reachable" in node.log_tail(50000), 30,
+                   what="the bootstrap warning")
+        time.sleep(8)  # several retries (backoff 0.5, 1, 2, 4 s) and DHT rounds
+        node.terminate()
+        lines = [ln for ln in node.log_tail(200000).splitlines() if ln.strip()]
+    odd = [ln for ln in lines if not _TEXT_LINE.match(ln)]
+    assert not odd, f"lines without time and level: {odd[:5]}"
+    assert not [ln for ln in lines if "Failed to open" in ln], lines
+    assert not [ln for ln in lines if " libp2p" in ln], lines
+    warnings = [ln for ln in lines if "bootstrap peer" in ln and "not reachable" in ln]
+    assert len(warnings) == 1 and " WARNING " in warnings[0], warnings
+
+
+def test_json_log_format_every_line_parses(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a", extra=["--log-format", "json"])
+        answer = ask(node.addr, [("user", "Say hello.")], max_tokens=4)
+        assert answer.text
+        node.terminate()
+        lines = [ln for ln in node.log_tail(200000).splitlines() if ln.strip()]
+    docs = [json.loads(ln) for ln in lines]  # every line is one JSON object
+    assert all({"ts", "level", "logger", "msg"} <= d.keys() for d in docs)
+    assert any(d["logger"] == "prefixmesh.node" and "shutting down" in d["msg"] for d in docs)
