@@ -74,3 +74,31 @@ def test_cli_status_unreachable_is_one_line_and_exit_1(capsys):
     err = capsys.readouterr().err
     assert err.startswith("prefixmesh status: error: http://127.0.0.1:1/") and \
         len(err.splitlines()) == 1
+
+
+def test_overview_of_a_node_lists_prefix_sizes_never_tokens():
+    from prefixmesh.inference.backend import BackendLoad
+    from prefixmesh.inference.kvstore import FINGERPRINT_BYTES, KVStore
+    from prefixmesh.node.metrics import NodeMetrics
+    from prefixmesh.node.status import overview
+    from prefixmesh.node.tenants import TenantRegistry, default_tenant_specs
+    from prefixmesh.overlay.core.identity import Identity
+
+    me = Identity.from_seed(b"\5" * 32)
+    tenants = TenantRegistry.from_specs(default_tenant_specs(), b"\1" * 32)
+    ns = next(iter(tenants)).ns_id
+    store = KVStore(fingerprint=b"\2" * FINGERPRINT_BYTES, ram_budget_bytes=1 << 20)
+    store.put(ns, [7001, 7002, 7003], b"x" * 300)
+    store.put(ns, [7001, 7002, 7003, 7004, 7005], b"y" * 500)
+    load = BackendLoad(0, 0, 400.0, 100.0, 1 << 20, 800, 1.0)
+    node = SimpleNamespace(
+        identity=me, model_fp=b"\1" * 32, tenants=tenants, full_addrs=lambda: ["/ip4/x"],
+        backend=SimpleNamespace(load_figures=lambda: load, engine=SimpleNamespace(store=store)))
+    ov = overview(node, NodeMetrics(self_id=me.peer_id), now=100.0)
+    (public,) = ov["namespaces"]
+    assert public["prefixes"] == 2 and public["tokens"] == 8
+    assert public["ram_bytes"] >= 800
+    assert [e["tokens"] for e in public["largest"]] == [5, 3]
+    assert "7001" not in str(ov)  # token ids never leave the node
+    assert ov["node"]["peer_id"] == me.peer_id_b58 and ov["peers"] == [] and ov["recent"] == []
+    assert ov["cache"]["misses"] == 0
