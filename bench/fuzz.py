@@ -687,26 +687,18 @@ def _max_hash_body() -> bytes:
 
 @_builder("antientropy")
 def _antientropy_target() -> Target:
-    from prefixmesh.overlay.core.antientropy import (
-        FULL_BASE,
+    from prefixmesh.overlay.core.antientropy import AntiEntropy
+    from prefixmesh.overlay.core.exchange import (
         MAX_MESSAGE_BYTES,
-        AntiEntropy,
         AntiEntropyError,
-        DeltaSummary,
         ScopedSummary,
         decode_buckets,
-        decode_delta_reply,
-        decode_delta_summary,
-        decode_need_summary,
         decode_records,
         decode_reply,
         decode_scoped_summary,
         decode_summary,
         decode_summary_hash,
         encode_buckets,
-        encode_delta_reply,
-        encode_delta_summary,
-        encode_need_summary,
         encode_records,
         encode_reply,
         encode_scoped_summary,
@@ -726,22 +718,17 @@ def _antientropy_target() -> Target:
         encode_reply([], {}, []),
         encode_records(records),
         encode_records(records[:1]),
-        # the hash-first opener, bucketed and per-peer delta summaries (messages 0, 4-8)
+        # the hash-first opener and bucketed summaries (messages 0, 7-8)
         encode_summary_hash(b"\x01" * 16),
         encode_summary_hash(False),
-        encode_delta_summary(DeltaSummary(FULL_BASE, b"\x02" * 16, summary)),
-        encode_delta_reply(records[:2], DeltaSummary(b"\x03" * 16, b"\x04" * 16, summary),
-                           [ident.peer_id]),
-        encode_need_summary(),
         encode_buckets([1, 2, 3, 0xFFFFFFFF]),
         encode_scoped_summary(ScopedSummary(4, (0, 3), summary)),
     ]
     local = Identity.from_seed(b"\x09" * 32)
     # the decoders that keep records last: what they return stays alive while the
     # remaining decoders parse the same message (peak memory is bounded per target)
-    decoders = (decode_summary_hash, decode_need_summary, decode_buckets,
-                decode_scoped_summary, decode_delta_summary, decode_summary,
-                decode_delta_reply, decode_reply, decode_records)
+    decoders = (decode_summary_hash, decode_buckets, decode_scoped_summary, decode_summary,
+                decode_reply, decode_records)
 
     class ReceiveRaised(Exception):
         """AntiEntropy.receive must report rejections, never raise."""
@@ -757,7 +744,7 @@ def _antientropy_target() -> Target:
                 # without its traceback: the frames would keep each decoder's parse alive
                 errors.append(exc.with_traceback(None))
                 continue
-            if decode is decode_reply or decode is decode_delta_reply:
+            if decode is decode_reply:
                 raws = out.records
             elif decode is decode_records:
                 raws = out
@@ -802,7 +789,7 @@ def _antientropy_target() -> Target:
     ]
     return Target(
         "antientropy",
-        "overlay.antientropy: every message decoder (0-8), peek_message_type + AntiEntropy.receive",
+        "overlay.core.exchange: every message decoder (0-3, 7-8), peek_message_type + AntiEntropy.receive",
         (AntiEntropyError,),
         run,
         seeds,

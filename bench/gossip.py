@@ -14,12 +14,10 @@ libp2p stream framing). Exchange, as the real node's ``overlay/gossip.py`` runs 
 peers before opening an exchange at all; the simulator has no heartbeats, so its digest
 byte counts are an upper bound of the real node's.)
 
-Opt-in variants (``SimConfig.bucket_summaries`` / ``delta_summaries``, see
-``overlay/core/antientropy.py``): *buckets*: B answers a differing hash with its bucket hashes
-(message 7) instead of ``false``, A sends its entries of the differing buckets (8), B
-replies with records and its entries there (2), A sends records (3); *deltas*: messages
-1 and 2 become per-peer delta summaries (4, 5), and a responder that lacks the delta's
-base answers 6 (A then sends its whole summary as a 4).
+Opt-in variant (``SimConfig.bucket_summaries``, see ``overlay/core/exchange.py``): B
+answers a differing hash with its bucket hashes (message 7) instead of ``false``, A sends
+its entries of the differing buckets (8), B replies with records and its entries there
+(2), A sends records (3).
 
 Every message is encoded (its length is what the simulator counts). With
 ``decode=False`` the receiver uses the object the sender encoded instead of decoding the
@@ -31,36 +29,28 @@ themselves are always decoded and verified by ``AntiEntropy.receive``.
 
 from __future__ import annotations
 
-from prefixmesh.overlay.core.antientropy import (
-    AntiEntropy,
-    DeltaSummary,
+from prefixmesh.overlay.core.antientropy import AntiEntropy
+from prefixmesh.overlay.core.digest import DigestRecord
+from prefixmesh.overlay.core.exchange import (
     ScopedSummary,
     bucket_count,
     decode_buckets,
-    decode_delta_reply,
-    decode_delta_summary,
-    decode_need_summary,
     decode_records,
     decode_reply,
     decode_scoped_summary,
     decode_summary,
     decode_summary_hash,
     encode_buckets,
-    encode_delta_reply,
-    encode_delta_summary,
-    encode_need_summary,
     encode_records,
     encode_reply,
     encode_scoped_summary,
     encode_summary_hash,
 )
-from prefixmesh.overlay.core.digest import DigestRecord
 from prefixmesh.overlay.core.identity import Identity
 
 __all__ = ["Message", "make_antientropy", "open_exchange", "handle"]
 
 HASH, HASH_ANSWER, SUMMARY, REPLY, RECORDS = 10, 11, 1, 2, 3
-DELTA_SUMMARY, DELTA_REPLY, NEED_SUMMARY = 4, 5, 6
 BUCKETS, SCOPED_SUMMARY = 7, 8
 
 
@@ -85,34 +75,24 @@ def make_antientropy(
     ttl: float,
     refresh_interval: float,
     min_record_interval: float = 0.0,
-    max_peer_views: int = 64,
     compaction_ratio: float = 1.0,
 ) -> AntiEntropy:
     return AntiEntropy(
         identity, model_fp, epoch=1, now=now, ttl=ttl, refresh_interval=refresh_interval,
-        min_record_interval=min_record_interval, max_peer_views=max_peer_views,
-        compaction_ratio=compaction_ratio,
+        min_record_interval=min_record_interval, compaction_ratio=compaction_ratio,
     )  # fmt: skip
 
 
-def _summary_message(ae: AntiEntropy, peer: bytes, delta: bool, full: bool = False) -> Message:
-    if not delta:
-        return Message(SUMMARY, ae.encoded_summary(), ae.summary())
-    d = ae.full_summary_for(peer) if full else ae.delta_summary_for(peer)
-    return Message(DELTA_SUMMARY, encode_delta_summary(d), d)
+def _summary_message(ae: AntiEntropy) -> Message:
+    return Message(SUMMARY, ae.encoded_summary(), ae.summary())
 
 
-def open_exchange(
-    ae: AntiEntropy, *, hash_check: bool = True, peer: bytes = b"", delta: bool = False
-) -> Message:
-    """The first message of an exchange started by ``ae`` with ``peer``.
-
-    ``delta``: summaries are per-peer deltas (messages 4-6) instead of full (1-2).
-    """
+def open_exchange(ae: AntiEntropy, *, hash_check: bool = True) -> Message:
+    """The first message of an exchange started by ``ae``."""
     if hash_check:
         digest = ae.summary_digest()
         return Message(HASH, encode_summary_hash(digest), digest)
-    return _summary_message(ae, peer, delta)
+    return _summary_message(ae)
 
 
 def handle(
@@ -122,13 +102,11 @@ def handle(
     budget_bytes: int,
     *,
     decode: bool = True,
-    peer: bytes = b"",
-    delta: bool = False,
     buckets: bool = False,
 ) -> tuple[Message | None, list[DigestRecord], list[bytes]]:
-    """Process ``msg`` from ``peer`` at ``ae``: (reply or None, records applied, origins
-    dropped). ``buckets``: a responder answers a differing summary hash with its bucket
-    hashes (message 7) and the exchange compares only the differing buckets' entries."""
+    """Process ``msg`` at ``ae``: (reply or None, records applied, origins dropped).
+    ``buckets``: a responder answers a differing summary hash with its bucket hashes
+    (message 7) and the exchange compares only the differing buckets' entries."""
     kind = msg.kind
     if kind == HASH:
         theirs = decode_summary_hash(msg.data) if decode else msg.value
@@ -157,46 +135,25 @@ def handle(
         in_sync = decode_summary_hash(msg.data) if decode else msg.value
         if in_sync is True:
             return None, [], []
-        return _summary_message(ae, peer, delta), [], []
-    if kind == NEED_SUMMARY:
-        if decode:
-            decode_need_summary(msg.data)
-        return _summary_message(ae, peer, True, full=True), [], []
+        return _summary_message(ae), [], []
     if kind == SUMMARY:
         theirs = decode_summary(msg.data) if decode else msg.value
         records = ae.records_for(theirs, budget_bytes)
         raws = [r.raw for r in records]
         data = ae.encode_reply(raws)
         return Message(REPLY, data, (raws, ae.summary(), frozenset())), [], []
-    if kind == DELTA_SUMMARY:
-        d: DeltaSummary = decode_delta_summary(msg.data) if decode else msg.value
-        theirs = ae.peer_summary(peer, d)
-        if theirs is None:  # we do not hold its base: ask for the whole summary
-            return Message(NEED_SUMMARY, encode_need_summary()), [], []
-        raws = [r.raw for r in ae.records_for(theirs, budget_bytes)]
-        ours = ae.delta_summary_for(peer)
-        data = encode_delta_reply(raws, ours)
-        return Message(DELTA_REPLY, data, (raws, ours, frozenset())), [], []
-    if kind == REPLY or kind == DELTA_REPLY:
+    if kind == REPLY:
         if decode:
-            if kind == REPLY:
-                reply = decode_reply(msg.data)
-            else:
-                reply = decode_delta_reply(msg.data)
+            reply = decode_reply(msg.data)
             raws, summary, want = reply.records, reply.summary, reply.want_snapshots
         else:
             raws, summary, want = msg.value
         result = ae.receive(raws, now)
-        if kind == DELTA_REPLY:
-            # None: their base is not ours (a lost message): send nothing this time; their
-            # next delta to us fails its base check too and we ask for the whole summary
-            summary = ae.peer_summary(peer, summary)
         back = None
-        if summary is not None:
-            records = ae.records_for(summary, budget_bytes, want, scope=msg.scope)
-            if records:
-                out = [r.raw for r in records]
-                back = Message(RECORDS, encode_records(out), out)
+        records = ae.records_for(summary, budget_bytes, want, scope=msg.scope)
+        if records:
+            out = [r.raw for r in records]
+            back = Message(RECORDS, encode_records(out), out)
         return back, result.applied, []
     result = ae.receive(decode_records(msg.data) if decode else msg.value, now)
     return None, result.applied, []

@@ -21,7 +21,7 @@ import argparse
 import random
 import time
 
-from prefixmesh.overlay.core.antientropy import AntiEntropy, encode_summary
+from prefixmesh.overlay.core.antientropy import AntiEntropy
 from prefixmesh.overlay.core.digest import (
     KIND_DELTA,
     KIND_SNAPSHOT,
@@ -32,6 +32,7 @@ from prefixmesh.overlay.core.digest import (
     decode_record,
     sign_record,
 )
+from prefixmesh.overlay.core.exchange import encode_summary
 from prefixmesh.overlay.core.identity import Identity
 
 NS = b"bench-ns"

@@ -65,7 +65,7 @@ Routing improvements (node features: ``RoutingConfig`` in ``overlay/core/routing
 
 Digest knobs (issue 6, T7; off by default = what the node does today)
     ``bucket_summaries`` (bucket hashes first, then only the differing buckets' entries),
-    ``delta_summaries`` (per-peer delta summaries), ``min_record_interval_s`` (batch own
+    ``min_record_interval_s`` (batch own
     deltas) and ``compaction_ratio`` (rarer compaction snapshots): see
     ``overlay/core/antientropy.py``. :func:`measure_idle_digest` measures an idle swarm.
 
@@ -165,9 +165,8 @@ class SimConfig:
     digest_ttl_s: float = 60.0
     refresh_interval_s: float = 20.0
     # digest-rate knobs (AntiEntropy): at most one own delta per this many seconds (0:
-    # every gossip tick with changes), and per-peer delta summaries (bench/gossip.py)
+    # every gossip tick with changes)
     min_record_interval_s: float = 0.0
-    delta_summaries: bool = False
     bucket_summaries: bool = False  # answer a differing summary hash with bucket hashes
     compaction_ratio: float = 1.0  # own snapshot when the deltas since outweigh it this much
     warmup_s: float | None = None  # gossip before the first request; None: 3 intervals
@@ -852,9 +851,7 @@ class Simulator:
         k = min(cfg.gossip_fanout, n - 1)
         for j in self.rng_gossip.sample(range(n - 1), k):
             peer = self.nodes[j if j < node.idx else j + 1]
-            self._send(
-                node, peer, _gossip.open_exchange(node.ae, peer=peer.pid, delta=cfg.delta_summaries)
-            )
+            self._send(node, peer, _gossip.open_exchange(node.ae))
         self._push(now + cfg.gossip_interval_s, _EV_GOSSIP, node)
 
     def _gossip_partitioned(self, node: _Node) -> None:
@@ -895,7 +892,7 @@ class Simulator:
         cfg = self.cfg
         reply, applied, dropped = _gossip.handle(
             dst.ae, msg, self.now, cfg.gossip_budget_bytes, decode=cfg.decode_messages,
-            peer=src.pid, delta=cfg.delta_summaries, buckets=cfg.bucket_summaries,
+            buckets=cfg.bucket_summaries,
         )  # fmt: skip
         for record in applied:
             if record.origin != dst.pid:
@@ -965,7 +962,6 @@ def measure_convergence(
     delay_ms: float = 2.0,
     seed: int = 0,
     max_intervals: float = 60.0,
-    delta_summaries: bool = False,
     min_record_interval_s: float = 0.0,
     bucket_summaries: bool = False,
     partitions: int = 0,
@@ -984,7 +980,7 @@ def measure_convergence(
     wl = Workload("convergence", [], "none")
     cfg = SimConfig(
         nodes=nodes, policy="local", delay_ms=delay_ms, gossip_interval_s=interval_s,
-        gossip_fanout=fanout, seed=seed, delta_summaries=delta_summaries,
+        gossip_fanout=fanout, seed=seed,
         min_record_interval_s=min_record_interval_s, bucket_summaries=bucket_summaries,
         partitions=partitions, replicas=replicas,
     )  # fmt: skip
@@ -1124,7 +1120,6 @@ def measure_idle_digest(
     interval_s: float = 1.0,
     prefixes_per_node: int = 20,
     seed: int = 0,
-    delta_summaries: bool = False,
     min_record_interval_s: float = 0.0,
     bucket_summaries: bool = False,
     compaction_ratio: float = 1.0,
@@ -1143,7 +1138,7 @@ def measure_idle_digest(
     wl = Workload("idle", [], "none")
     cfg = SimConfig(
         nodes=nodes, policy="local", gossip_interval_s=interval_s, gossip_fanout=fanout,
-        seed=seed, delta_summaries=delta_summaries, min_record_interval_s=min_record_interval_s,
+        seed=seed, min_record_interval_s=min_record_interval_s,
         bucket_summaries=bucket_summaries, compaction_ratio=compaction_ratio,
         refresh_interval_s=refresh_interval_s, digest_ttl_s=digest_ttl_s,
         partitions=partitions, partition_refresh_s=partition_refresh_s,
@@ -1184,7 +1179,6 @@ def measure_idle_digest(
         "nodes": nodes,
         "fanout": fanout,
         "interval_s": interval_s,
-        "delta_summaries": delta_summaries,
         "bucket_summaries": bucket_summaries,
         "min_record_interval_s": min_record_interval_s,
         "compaction_ratio": compaction_ratio,
@@ -1227,8 +1221,6 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compaction-ratio", type=float, default=d.compaction_ratio,
                    help="issue an own snapshot when the deltas since the last outweigh it "
                         "this many times")
-    p.add_argument("--delta-summaries", action="store_true",
-                   help="per-peer delta summaries in anti-entropy exchanges")
     p.add_argument("--bucket-summaries", action="store_true",
                    help="compare bucket hashes first, then only the differing buckets' entries")
     p.add_argument("--partitions", type=int, default=d.partitions,
@@ -1271,7 +1263,6 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         gossip_interval_s=ns.gossip_interval,
         gossip_fanout=ns.fanout,
         min_record_interval_s=ns.min_record_interval,
-        delta_summaries=ns.delta_summaries,
         bucket_summaries=ns.bucket_summaries,
         compaction_ratio=ns.compaction_ratio,
         max_hops=ns.max_hops,

@@ -18,8 +18,8 @@ Experiments (each writes ``<out>/sim_<name>.csv``; plots go to ``--plots`` (defa
 ``digest``       N=64: digest bytes/s and hits vs gossip interval and fanout.
 ``speed``        simulated requests per wall-clock minute at N=64.
 ``t7``           digest bytes/s per node (idle and at 0.5 req/s per node) and hits for
-                 the anti-entropy variants: full summaries, bucketed summaries, per-peer
-                 delta summaries, and the digest-rate knobs; N in {4, 64, 256}.
+                 the anti-entropy variants: full summaries, bucketed summaries, and the
+                 digest-rate knobs; N in {4, 64, 256}.
 ``liars``        N=64, 0 / 10 % / 30 % lying peers: hit ratio per policy.
 ``sharegpt``     multi-turn chat (needs the internal ShareGPT file), N=8.
 ``targets``      the prefixmesh targets re-run at the node's default 9 GiB KV budget.
@@ -351,7 +351,6 @@ def exp_ski(ctx: Ctx) -> list[dict]:
 # (label, SimConfig overrides) of the T7 experiment
 T7_VARIANTS = [
     ("full summaries", {}),
-    ("per-peer deltas", {"delta_summaries": True}),
     ("buckets", {"bucket_summaries": True}),
     ("compaction 4", {"compaction_ratio": 4.0}),
     ("batch 5 s", {"min_record_interval_s": 5.0}),
@@ -364,7 +363,7 @@ T7_VARIANTS = [
      {"bucket_summaries": True, "compaction_ratio": 4.0, "min_record_interval_s": 5.0,
       "gossip_fanout": 1}),
 ]  # fmt: skip
-_T7_IDLE_KEYS = ("delta_summaries", "bucket_summaries", "min_record_interval_s",
+_T7_IDLE_KEYS = ("bucket_summaries", "min_record_interval_s",
                  "compaction_ratio", "refresh_interval_s", "digest_ttl_s")  # fmt: skip
 
 

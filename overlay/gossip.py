@@ -78,12 +78,11 @@ from collections.abc import Callable, Sequence
 import trio
 
 from .core import wire
-from .core.antientropy import (
+from .core.antientropy import AntiEntropy, ReceiveResult
+from .core.exchange import (
     MSG_BUCKETS,
     MSG_SCOPED_SUMMARY,
-    AntiEntropy,
     AntiEntropyError,
-    ReceiveResult,
     ScopedSummary,
     bucket_count,
     decode_buckets,

@@ -63,8 +63,8 @@ from collections.abc import Callable, Sequence
 import trio
 
 from .core import wire
-from .core.antientropy import peek_message_type
 from .core.digest import DigestError
+from .core.exchange import peek_message_type
 from .core.partition import (
     MAX_PARTITION_MESSAGE_BYTES,
     MSG_LOOKUP,

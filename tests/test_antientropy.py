@@ -11,25 +11,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixmesh.overlay.core import antientropy as ae
+from prefixmesh.overlay.core import exchange
 from prefixmesh.overlay.core.antientropy import (
     AntiEntropy,
-    DigestError,
-    MalformedMessage,
     OriginTableFull,
-    OversizeMessage,
     TooManyDeltas,
     WrongModel,
-    decode_records,
-    decode_reply,
-    decode_summary,
-    encode_records,
-    encode_reply,
-    encode_summary,
 )
 from prefixmesh.overlay.core.digest import (
     KIND_DELTA,
     KIND_SNAPSHOT,
     MAX_HASHES_PER_RECORD,
+    DigestError,
     DigestRecord,
     ExpiredRecord,
     LoadFigures,
@@ -37,6 +30,16 @@ from prefixmesh.overlay.core.digest import (
     ReplayedRecord,
     SequenceRegression,
     sign_record,
+)
+from prefixmesh.overlay.core.exchange import (
+    MalformedMessage,
+    OversizeMessage,
+    decode_records,
+    decode_reply,
+    decode_summary,
+    encode_records,
+    encode_reply,
+    encode_summary,
 )
 from prefixmesh.overlay.core.identity import Identity
 
@@ -574,9 +577,9 @@ def test_codec_rejects_malformed(decoder, data):
 
 def test_codec_limits(monkeypatch):
     with pytest.raises(OversizeMessage):
-        decode_records(b"\x00" * (ae.MAX_MESSAGE_BYTES + 1))
-    monkeypatch.setattr(ae, "MAX_RECORDS_PER_MESSAGE", 2)
-    monkeypatch.setattr(ae, "MAX_SUMMARY_ENTRIES", 1)
+        decode_records(b"\x00" * (exchange.MAX_MESSAGE_BYTES + 1))
+    monkeypatch.setattr(exchange, "MAX_RECORDS_PER_MESSAGE", 2)
+    monkeypatch.setattr(exchange, "MAX_SUMMARY_ENTRIES", 1)
     with pytest.raises(OversizeMessage):
         encode_records([b"a", b"b", b"c"])
     with pytest.raises(OversizeMessage):
@@ -748,7 +751,7 @@ def test_summary_hash_messages_round_trip_and_reject_garbage():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from prefixmesh.overlay.core.antientropy import (
+    from prefixmesh.overlay.core.exchange import (
         AntiEntropyError,
         decode_summary_hash,
         encode_summary_hash,

@@ -18,12 +18,8 @@ import pytest
 import trio
 
 from prefixmesh.overlay.core import wire
-from prefixmesh.overlay.core.antientropy import (
-    AntiEntropy,
-    decode_reply,
-    encode_records,
-    encode_summary,
-)
+from prefixmesh.overlay.core.antientropy import AntiEntropy
+from prefixmesh.overlay.core.exchange import decode_reply, encode_records, encode_summary
 from prefixmesh.overlay.core.identity import Identity
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 from prefixmesh.overlay.core.trust import InvalidTrustConfig

@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, ask, peers  # noqa: E402
 
 from prefixmesh.overlay.core import wire  # noqa: E402
-from prefixmesh.overlay.core.antientropy import decode_reply, encode_records, encode_summary  # noqa: E402
 from prefixmesh.overlay.core.digest import (  # noqa: E402
     SIGNATURE_LABEL,
     DigestRecord,
@@ -32,6 +31,7 @@ from prefixmesh.overlay.core.digest import (  # noqa: E402
     encode_body,
     sign_record,
 )
+from prefixmesh.overlay.core.exchange import decode_reply, encode_records, encode_summary  # noqa: E402
 from prefixmesh.overlay.core.identity import Identity  # noqa: E402
 from prefixmesh.overlay.gossip import summary_hash  # noqa: E402
 from prefixmesh.overlay.host import FramedStream, OverlayHost, split_p2p_addr  # noqa: E402

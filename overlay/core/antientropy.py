@@ -65,47 +65,16 @@ If a peer hands us a record of our own origin newer than anything we issued (our
 counter went backwards, e.g. a restart reusing an epoch), we move to a later epoch and
 issue a fresh snapshot.
 
-Exchange protocol (3 messages, push-pull)
------------------------------------------
-All messages are canonical CBOR arrays whose first element is the message type:
-
-1. A -> B ``[1, summary]``                              (:func:`encode_summary`)
-2. B -> A ``[2, records, summary, want_snapshots]``     (:func:`encode_reply`): the
-   records A lacks, B's summary, and origins B wants full snapshots of
-3. A -> B ``[3, records]``                              (:func:`encode_records`): the
-   records B lacks
-
-``summary`` is an array of ``[origin, epoch, seq]``; ``records`` an array of the raw
-record byte strings; ``want_snapshots`` an array of origins. Decoders are bounded like
-record decoding (size first, strict CBOR scan) and raise :class:`MalformedMessage` /
-:class:`OversizeMessage`.
-
-Cheaper exchanges (opt-in; the 3-message exchange above is unchanged)
------------------------------------------------------------------------
-The summary is kept incrementally (every change of an origin's (epoch, seq) goes through
-one method) with each entry's canonical CBOR cached, so ``summary_digest()``,
-``encoded_summary()`` and ``encode_reply()`` cost O(1) while nothing changed and are
-byte-identical to ``summary_hash``/``encode_summary``/``encode_reply`` of ``summary()``;
-``records_for`` looks only at origins whose (epoch, seq) differ from the peer's.
-
-*Bucketed summaries* (messages 7-8): when the opening summary hash differs, the responder
-answers with ``k`` 4-byte bucket hashes (``k = bucket_count(origins held)``, about one
-origin per bucket; bucket = low bits of the origin id; hash = XOR of the 4-byte hashes of
-the bucket's entries), the initiator sends only its entries of the differing buckets
-(:class:`ScopedSummary`), and both sides run ``records_for(..., scope=(k, buckets))`` and
-reply with their entries of those buckets only. Same message count as the hash-opened
-exchange; summaries shrink from ~45 bytes per origin to ~4 per origin plus ~45 per
-*differing* origin. A bucket collision (2^-32 per differing bucket) only delays that
-origin to a later exchange.
-
-*Per-peer delta summaries* (messages 4-6): a summary sent to a peer lists only origins
-changed since the last summary we told it, against a base named by its summary hash; the
-receiver patches the view it holds under that hash (LRU of ``max_peer_views`` peers) or
-answers ``[6]`` (send the whole summary) when it does not hold it, so a lost message
-costs one full summary, never a wrong view. Entries are untrusted like a full summary:
-validated by the decoder, and a patched view is bounded by :data:`MAX_SUMMARY_ENTRIES`.
-Helps only when the same pair meets again before most origins changed (rare under random
-peer choice; docs/bench/sim.md has the numbers).
+Exchanges
+---------
+The messages that carry summaries and records between two nodes (the 3-message
+push-pull exchange, the summary-hash opener, bucketed summaries) are encoded and decoded
+by :mod:`.exchange`; this module keeps what they carry. The summary is kept
+incrementally (every change of an origin's (epoch, seq) goes through one method) with each
+entry's canonical CBOR cached, so :meth:`AntiEntropy.summary_digest`,
+:meth:`AntiEntropy.encoded_summary` and :meth:`AntiEntropy.encode_reply` cost O(1) while
+nothing changed; :meth:`AntiEntropy.records_for` looks only at origins whose (epoch, seq)
+differ from the peer's, and :meth:`AntiEntropy.bucket_hashes` stays current under changes.
 
 *Digest-rate knobs*: ``min_record_interval`` batches own changes into at most one delta per
 interval; ``compaction_ratio`` issues a compaction snapshot only when the deltas since the
@@ -123,25 +92,16 @@ Limits (module constants)
   hostile identities each publishing maximal chains; honest nodes with 1,000 cached
   prefixes hold a few tens of KiB each (see bench/micro_core_digest.py).
 - :data:`MAX_ADVERTISED_HASHES` = 65,536 local hashes (a 16-record snapshot chain).
-- :data:`MAX_BUCKETS` = 4096 bucket hashes per message 7; :data:`MAX_PEER_VIEWS` = 64
-  peers' delta-summary state by default (each a summary: O(origins)).
-- :data:`MAX_MESSAGE_BYTES` = 8 MiB, :data:`MAX_RECORDS_PER_MESSAGE` = 4096,
-  :data:`MAX_SUMMARY_ENTRIES` = 4096, :data:`MAX_SNAPSHOT_REQUESTS` = 4096, and
-  :data:`MAX_MESSAGE_ITEMS` CBOR items in all (bounds the scan cost of hostile input).
 
 Pure code: time and randomness come in as arguments; no trio, libp2p or llama imports.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
-
-import cbor2
 
 from .digest import (
     HASH_BYTES,
@@ -161,105 +121,43 @@ from .digest import (
     SequenceRegression,
     SignedRecord,
     decode_record,
-    loads_bounded,
     sign_record,
 )
-from .identity import PEER_ID_BYTES, Identity
+from .exchange import (
+    MAX_BUCKETS,
+    AntiEntropyError,
+    Summary,
+    bucket_key,
+    bucket_of,
+    encode_entry,
+    entry_hash,
+    entry_list,
+    hash_encoded_summary,
+    reply_message,
+    summary_message,
+)
+from .identity import Identity
 
 __all__ = [
     "MAX_ORIGINS",
     "MAX_DELTAS_PER_ORIGIN",
     "MAX_ORIGIN_BYTES",
     "MAX_ADVERTISED_HASHES",
-    "MAX_MESSAGE_BYTES",
-    "MAX_RECORDS_PER_MESSAGE",
-    "MAX_SUMMARY_ENTRIES",
-    "MAX_SNAPSHOT_REQUESTS",
-    "MAX_MESSAGE_ITEMS",
-    "MSG_SUMMARY_HASH",
-    "MSG_SUMMARY",
-    "summary_hash",
-    "encode_summary_hash",
-    "decode_summary_hash",
-    "MSG_REPLY",
-    "MSG_RECORDS",
-    "MSG_DELTA_SUMMARY",
-    "MSG_DELTA_REPLY",
-    "MSG_NEED_SUMMARY",
-    "MAX_PEER_VIEWS",
-    "MSG_BUCKETS",
-    "MSG_SCOPED_SUMMARY",
-    "MAX_BUCKETS",
-    "bucket_count",
-    "bucket_of",
-    "ScopedSummary",
-    "encode_buckets",
-    "decode_buckets",
-    "encode_scoped_summary",
-    "decode_scoped_summary",
-    "peek_message_type",
-    "FULL_BASE",
-    "DeltaSummary",
-    "DeltaReply",
-    "encode_delta_summary",
-    "decode_delta_summary",
-    "encode_need_summary",
-    "decode_need_summary",
-    "encode_delta_reply",
-    "decode_delta_reply",
     "AntiEntropy",
     "ReceiveResult",
-    "ExchangeReply",
-    "Summary",
-    "AntiEntropyError",
     "WrongModel",
     "OriginTableFull",
     "TooManyDeltas",
-    "MalformedMessage",
-    "OversizeMessage",
-    "encode_summary",
-    "decode_summary",
-    "encode_reply",
-    "decode_reply",
-    "encode_records",
-    "decode_records",
-    "summary_entries",
-    "parse_summary_entries",
-    "parse_record_list",
 ]
 
 MAX_ORIGINS = 1024
 MAX_DELTAS_PER_ORIGIN = 256
 MAX_ORIGIN_BYTES = 2 * 1024 * 1024
 MAX_ADVERTISED_HASHES = 65536
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-MAX_RECORDS_PER_MESSAGE = 4096
-MAX_SUMMARY_ENTRIES = 4096
-MAX_SNAPSHOT_REQUESTS = 4096
-# type + records + summary entries (4 items each) + snapshot requests, with room to spare
-MAX_MESSAGE_ITEMS = 8 + MAX_RECORDS_PER_MESSAGE + 4 * MAX_SUMMARY_ENTRIES + MAX_SNAPSHOT_REQUESTS
-
-MSG_SUMMARY = 1
-MSG_REPLY = 2
-MSG_RECORDS = 3
-MSG_DELTA_SUMMARY = 4
-MSG_DELTA_REPLY = 5
-MSG_NEED_SUMMARY = 6
-MAX_PEER_VIEWS = 64
-MSG_BUCKETS = 7
-MSG_SCOPED_SUMMARY = 8
-MAX_BUCKETS = 4096
-BUCKET_HASH_BYTES = 4
 _MAX_CACHED_BUCKET_COUNTS = 4  # bucket counts whose hashes are kept current
 
-Summary = dict[bytes, tuple[int, int]]
 
-
-# --- errors -----------------------------------------------------------------------------
-
-
-class AntiEntropyError(DigestError):
-    """Base class of the errors this module adds to the digest errors."""
+# --- errors (the message errors and their base are in .exchange) --------------------------
 
 
 class WrongModel(AntiEntropyError):
@@ -272,14 +170,6 @@ class OriginTableFull(AntiEntropyError):
 
 class TooManyDeltas(AntiEntropyError):
     """A delta beyond :data:`MAX_DELTAS_PER_ORIGIN` / :data:`MAX_ORIGIN_BYTES` for its origin."""
-
-
-class MalformedMessage(AntiEntropyError):
-    """An exchange message that does not parse or has the wrong structure."""
-
-
-class OversizeMessage(AntiEntropyError):
-    """An exchange message beyond a documented limit."""
 
 
 # --- state ------------------------------------------------------------------------------
@@ -377,7 +267,6 @@ class AntiEntropy:
         addrs: Sequence[str] = (),
         max_clock_skew: float = 30.0,
         min_record_interval: float = 0.0,
-        max_peer_views: int = MAX_PEER_VIEWS,
         compaction_ratio: float = 1.0,
     ):
         if not 0 < ttl <= MAX_TTL_S:
@@ -397,13 +286,6 @@ class AntiEntropy:
         if not 0 < compaction_ratio <= 64:
             raise ValueError("compaction_ratio must be in (0, 64]")
         self.compaction_ratio = float(compaction_ratio)
-        if max_peer_views < 0:
-            raise ValueError("max_peer_views must be >= 0")
-        self.max_peer_views = max_peer_views
-        # per-peer delta summaries (LRU, at most max_peer_views each): what we last told a
-        # peer our summary was (stamp, hash), and the last summary we know of a peer's
-        self._told: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
-        self._views: OrderedDict[bytes, tuple[bytes, Summary]] = OrderedDict()
         self.max_clock_skew = float(max_clock_skew)
         self.addrs = tuple(addrs)
         self.epoch = epoch
@@ -422,12 +304,8 @@ class AntiEntropy:
         self._logs: dict[bytes, _OriginLog] = {}
         self._held_raws: set[bytes] = set()
         # The summary, kept incrementally (every change goes through _touch/_untouch), with
-        # per-origin change stamps in change order (oldest first) for per-peer deltas, and
         # the canonical CBOR of each entry and of the whole list, cached until they change.
         self._summary: Summary = {}
-        self._stamp = 0
-        self._changed_at: dict[bytes, int] = {}
-        self._removed_at = 0  # stamp of the latest origin removal
         self._entry_cbor: dict[bytes, bytes] = {}
         self._sorted_origins: list[bytes] | None = None
         self._list_cbor: bytes | None = None
@@ -451,15 +329,12 @@ class AntiEntropy:
         if origin not in self._summary:
             self._sorted_origins = None
         self._summary[origin] = version
-        self._stamp += 1
-        self._changed_at.pop(origin, None)
-        self._changed_at[origin] = self._stamp  # re-inserted: dict order = change order
         self._entry_cbor.pop(origin, None)  # re-encoded when next needed
         old_h = self._entry_hash.pop(origin, None)
         self._list_cbor = self._digest = None
         if self._buckets:  # keep the cached bucket hashes current: XOR the entry out and in
             new_h = self._hash_entry(origin, version)
-            key = _bucket_key(origin)
+            key = bucket_key(origin)
             for k, hashes in self._buckets.items():
                 hashes[key & (k - 1)] ^= new_h if old_h is None else new_h ^ old_h
 
@@ -467,15 +342,12 @@ class AntiEntropy:
         """Record that ``origin`` is no longer held."""
         if self._summary.pop(origin, None) is None:
             return
-        self._stamp += 1
-        self._removed_at = self._stamp
-        self._changed_at.pop(origin, None)
         self._entry_cbor.pop(origin, None)
         old_h = self._entry_hash.pop(origin, None)
         self._sorted_origins = None
         self._list_cbor = self._digest = None
         if old_h is not None:
-            key = _bucket_key(origin)
+            key = bucket_key(origin)
             for k, hashes in self._buckets.items():
                 hashes[key & (k - 1)] ^= old_h
         else:
@@ -490,27 +362,19 @@ class AntiEntropy:
             if len(entry) < len(self._summary):
                 for o, version in self._summary.items():
                     if o not in entry:
-                        entry[o] = _entry_cbor(o, version)
-            self._list_cbor = _cbor_head(4, len(self._sorted_origins)) + b"".join(
-                [entry[o] for o in self._sorted_origins]
-            )
+                        entry[o] = encode_entry(o, version)
+            self._list_cbor = entry_list([entry[o] for o in self._sorted_origins])
         return self._list_cbor
 
     def encoded_summary(self) -> bytes:
         """Message 1 for our summary: the bytes of ``encode_summary(self.summary())``,
         built from cached per-origin encodings."""
-        if len(self._summary) > MAX_SUMMARY_ENTRIES:
-            raise OversizeMessage(
-                f"summary of {len(self._summary)} entries exceeds {MAX_SUMMARY_ENTRIES}"
-            )
-        return _MSG_SUMMARY_PREFIX + self._summary_list_cbor()
+        return summary_message(self._summary_list_cbor(), len(self._summary))
 
     def summary_digest(self) -> bytes:
         """``summary_hash(self.summary())``, cached until the summary changes."""
         if self._digest is None:
-            self._digest = hashlib.blake2b(
-                self.encoded_summary(), digest_size=SUMMARY_HASH_BYTES
-            ).digest()
+            self._digest = hash_encoded_summary(self.encoded_summary())
         return self._digest
 
     def encode_reply(
@@ -519,20 +383,9 @@ class AntiEntropy:
         """Message 2 carrying our summary: the bytes of
         ``encode_reply(records, self.summary(), want_snapshots)``, without re-encoding
         the summary."""
-        raws = _raws(records)
-        want = sorted(set(want_snapshots))
-        _check_reply_bounds(len(raws), len(self._summary), len(want))
-        data = b"".join(
-            (
-                _REPLY_PREFIX,
-                cbor2.dumps(raws, canonical=True),
-                self._summary_list_cbor(),
-                cbor2.dumps(want, canonical=True),
-            )
+        return reply_message(
+            records, self._summary_list_cbor(), len(self._summary), want_snapshots
         )
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise OversizeMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-        return data
 
     # --- bucketed summaries ------------------------------------------------------------------
 
@@ -553,17 +406,15 @@ class AntiEntropy:
             h = eh.get(origin)
             if h is None:
                 h = self._hash_entry(origin, version)
-            out[_bucket_key(origin) & mask] ^= h
+            out[bucket_key(origin) & mask] ^= h
         if len(self._buckets) >= _MAX_CACHED_BUCKET_COUNTS:
             self._buckets.pop(next(iter(self._buckets)))
         self._buckets[k] = out  # kept current by _touch/_untouch from now on
         return list(out)
 
     def _hash_entry(self, origin: bytes, version: tuple[int, int]) -> int:
-        cbor = self._entry_cbor.get(origin) or _entry_cbor(origin, version)
-        h = self._entry_hash[origin] = int.from_bytes(
-            hashlib.blake2b(cbor, digest_size=BUCKET_HASH_BYTES).digest(), "big"
-        )
+        entry = self._entry_cbor.get(origin) or encode_entry(origin, version)
+        h = self._entry_hash[origin] = entry_hash(entry)
         return h
 
     def summary_size(self) -> int:
@@ -574,72 +425,7 @@ class AntiEntropy:
         """Our summary's entries whose origins fall in ``buckets`` (of ``k``)."""
         wanted = set(buckets)
         mask = k - 1
-        return {o: v for o, v in self._summary.items() if _bucket_key(o) & mask in wanted}
-
-    # --- per-peer delta summaries ---------------------------------------------------------
-
-    def delta_summary_for(self, peer: bytes) -> DeltaSummary:
-        """Our summary as a delta against what we last told ``peer`` (or in full).
-
-        The delta lists the origins whose (epoch, seq) changed since then; ``base`` is the
-        hash of the summary it patches (:data:`FULL_BASE`: none, the entries are the whole
-        summary). It is a full summary when we have told ``peer`` nothing yet (or forgot:
-        LRU), or an origin was dropped since (a delta cannot express removals). Records
-        the summary as told: if the message is lost, the peer's next base check fails and
-        it asks for the full summary (:func:`encode_need_summary`).
-        """
-        new_hash = self.summary_digest()
-        told = self._told.get(peer)
-        if told is None or self._removed_at > told[0]:
-            delta = DeltaSummary(FULL_BASE, new_hash, dict(self._summary))
-        else:
-            since = told[0]
-            entries: Summary = {}
-            for origin in reversed(self._changed_at):
-                if self._changed_at[origin] <= since:
-                    break
-                entries[origin] = self._summary[origin]
-            delta = DeltaSummary(told[1], new_hash, entries)
-        self._remember(self._told, peer, (self._stamp, new_hash))
-        return delta
-
-    def full_summary_for(self, peer: bytes) -> DeltaSummary:
-        """Our whole summary as a :class:`DeltaSummary` (the answer to a need-summary)."""
-        self._told.pop(peer, None)
-        return self.delta_summary_for(peer)
-
-    def peer_summary(self, peer: bytes, delta: DeltaSummary) -> Summary | None:
-        """The full summary of ``peer`` that ``delta`` describes, or None when we do not
-        hold its base (ask for the full summary then). The entries are the peer's claims,
-        as untrusted as a full summary: validated by the decoder and bounded here by
-        :data:`MAX_SUMMARY_ENTRIES` in all (:class:`OversizeMessage`)."""
-        if delta.base == FULL_BASE:
-            view = dict(delta.entries)
-        else:
-            held = self._views.pop(peer, None)
-            if held is None or held[0] != delta.base:
-                return None
-            view = held[1]  # ours alone: patched in place
-            view.update(delta.entries)
-            if len(view) > MAX_SUMMARY_ENTRIES:
-                raise OversizeMessage(
-                    f"patched summary of {len(view)} entries exceeds {MAX_SUMMARY_ENTRIES}"
-                )
-        self._remember(self._views, peer, (delta.new, view))
-        return dict(view)
-
-    def forget_peer(self, peer: bytes) -> None:
-        """Drop the per-peer delta state of ``peer`` (the next summaries are full)."""
-        self._told.pop(peer, None)
-        self._views.pop(peer, None)
-
-    def _remember(self, table: OrderedDict, peer: bytes, value: object) -> None:
-        if self.max_peer_views == 0:
-            return
-        table[peer] = value
-        table.move_to_end(peer)
-        while len(table) > self.max_peer_views:
-            table.popitem(last=False)
+        return {o: v for o, v in self._summary.items() if bucket_key(o) & mask in wanted}
 
     # --- local cache -------------------------------------------------------------------
 
@@ -1100,378 +886,3 @@ class AntiEntropy:
         return log.n_bytes if log is not None else 0
 
 
-# --- exchange message codecs ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExchangeReply:
-    records: list[bytes]
-    summary: Summary
-    want_snapshots: frozenset[bytes]
-
-
-def _raws(records: Iterable[SignedRecord | bytes]) -> list[bytes]:
-    return [r.raw if isinstance(r, SignedRecord) else bytes(r) for r in records]
-
-
-def summary_entries(summary: Mapping[bytes, tuple[int, int]]) -> list:
-    """A summary as the wire's sorted ``[origin, epoch, seq]`` array."""
-    return [[o, e, s] for o, (e, s) in sorted(summary.items())]
-
-
-def _dump(message: list) -> bytes:
-    data = cbor2.dumps(message, canonical=True)
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise OversizeMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return data
-
-
-def _cbor_head(major: int, n: int) -> bytes:
-    """Canonical (shortest) CBOR head of major type ``major`` with argument ``n``."""
-    m = major << 5
-    if n < 24:
-        return bytes((m | n,))
-    if n < 0x100:
-        return bytes((m | 24, n))
-    if n < 0x10000:
-        return bytes((m | 25,)) + n.to_bytes(2, "big")
-    if n < 0x100000000:
-        return bytes((m | 26,)) + n.to_bytes(4, "big")
-    return bytes((m | 27,)) + n.to_bytes(8, "big")
-
-
-def _entry_cbor(origin: bytes, version: tuple[int, int]) -> bytes:
-    """Canonical CBOR of the summary entry ``[origin, epoch, seq]``."""
-    return b"".join(
-        (b"\x83", _cbor_head(2, len(origin)), origin, _cbor_head(0, version[0]),
-         _cbor_head(0, version[1]))
-    )  # fmt: skip
-
-
-_MSG_SUMMARY_PREFIX = b"\x82\x01"  # [1, ...]: a 2-element array, then the type
-_REPLY_PREFIX = b"\x84\x02"  # [2, ...]
-
-
-def _check_reply_bounds(n_records: int, n_summary: int, n_want: int) -> None:
-    if n_records > MAX_RECORDS_PER_MESSAGE:
-        raise OversizeMessage(f"{n_records} records exceeds {MAX_RECORDS_PER_MESSAGE}")
-    if n_summary > MAX_SUMMARY_ENTRIES:
-        raise OversizeMessage(f"summary of {n_summary} entries exceeds {MAX_SUMMARY_ENTRIES}")
-    if n_want > MAX_SNAPSHOT_REQUESTS:
-        raise OversizeMessage(f"{n_want} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
-
-
-MSG_SUMMARY_HASH = 0
-SUMMARY_HASH_BYTES = 16
-_MAX_HASH_MESSAGE_BYTES = 64
-
-
-def summary_hash(summary: Mapping[bytes, tuple[int, int]]) -> bytes:
-    """16-byte hash of a summary's canonical encoding (equal iff the summaries are).
-
-    An exchange opens with it (:func:`encode_summary_hash`): two peers that are already
-    in sync (the steady state) exchange 16 bytes and a boolean instead of their summaries.
-    """
-    return hashlib.blake2b(encode_summary(summary), digest_size=SUMMARY_HASH_BYTES).digest()
-
-
-def encode_summary_hash(value: bytes | bool) -> bytes:
-    """Message 0: ``[0, hash16]`` (the opener) or ``[0, bool]`` (the answer: in sync?)."""
-    return _dump([MSG_SUMMARY_HASH, value])
-
-
-def decode_summary_hash(data: bytes) -> bytes | bool:
-    """Inverse of :func:`encode_summary_hash`; raises :class:`MalformedMessage`."""
-    if len(data) > _MAX_HASH_MESSAGE_BYTES:
-        raise OversizeMessage(f"summary-hash message of {len(data)} bytes")
-    try:
-        msg = cbor2.loads(data)
-    except Exception as exc:  # cbor2 raises several types on garbage; all mean malformed
-        raise MalformedMessage(f"summary-hash message is not CBOR: {exc}") from None
-    if isinstance(msg, list) and len(msg) == 2 and msg[0] == MSG_SUMMARY_HASH and (
-        (type(msg[1]) is bytes and len(msg[1]) == SUMMARY_HASH_BYTES) or type(msg[1]) is bool
-    ):
-        return msg[1]
-    raise MalformedMessage("summary-hash message must be [0, hash16] or [0, bool]")
-
-
-def encode_summary(summary: Mapping[bytes, tuple[int, int]]) -> bytes:
-    """Message 1: ``[1, [[origin, epoch, seq], ...]]``."""
-    if len(summary) > MAX_SUMMARY_ENTRIES:
-        raise OversizeMessage(f"summary of {len(summary)} entries exceeds {MAX_SUMMARY_ENTRIES}")
-    return _dump([MSG_SUMMARY, summary_entries(summary)])
-
-
-def encode_reply(
-    records: Iterable[SignedRecord | bytes],
-    summary: Mapping[bytes, tuple[int, int]],
-    want_snapshots: Iterable[bytes] = (),
-) -> bytes:
-    """Message 2: ``[2, [raw, ...], [[origin, epoch, seq], ...], [origin, ...]]``."""
-    raws = _raws(records)
-    want = sorted(set(want_snapshots))
-    _check_reply_bounds(len(raws), len(summary), len(want))
-    return _dump([MSG_REPLY, raws, summary_entries(summary), want])
-
-
-def encode_records(records: Iterable[SignedRecord | bytes]) -> bytes:
-    """Message 3: ``[3, [raw, ...]]``."""
-    raws = _raws(records)
-    if len(raws) > MAX_RECORDS_PER_MESSAGE:
-        raise OversizeMessage(f"{len(raws)} records exceeds {MAX_RECORDS_PER_MESSAGE}")
-    return _dump([MSG_RECORDS, raws])
-
-
-def _load_message(data: bytes, msg_type: int, arity: int) -> list:
-    message = loads_bounded(
-        data,
-        max_bytes=MAX_MESSAGE_BYTES,
-        max_depth=4,
-        max_items=MAX_MESSAGE_ITEMS,
-        error=MalformedMessage,
-        oversize_error=OversizeMessage,
-    )
-    if type(message) is not list or not message or type(message[0]) is not int:
-        raise MalformedMessage("an exchange message is a CBOR array starting with its type")
-    if message[0] != msg_type:
-        raise MalformedMessage(f"expected message type {msg_type}, got {message[0]}")
-    if len(message) != arity:
-        raise MalformedMessage(f"message type {msg_type} has {arity} elements")
-    return message
-
-
-def parse_summary_entries(entries: object) -> Summary:
-    """Validate a decoded ``[origin, epoch, seq]`` array (raises MalformedMessage /
-    OversizeMessage)."""
-    if type(entries) is not list:
-        raise MalformedMessage("summary must be an array")
-    if len(entries) > MAX_SUMMARY_ENTRIES:
-        raise OversizeMessage(f"summary of {len(entries)} entries exceeds {MAX_SUMMARY_ENTRIES}")
-    summary: Summary = {}
-    for entry in entries:
-        if type(entry) is not list or len(entry) != 3:
-            raise MalformedMessage("a summary entry is [origin, epoch, seq]")
-        origin, epoch, seq = entry
-        if type(origin) is not bytes or len(origin) != PEER_ID_BYTES:
-            raise MalformedMessage(f"summary origin must be a {PEER_ID_BYTES}-byte peer id")
-        for value in (epoch, seq):
-            if type(value) is not int or not 0 <= value <= MAX_UINT:
-                raise MalformedMessage("summary epoch/seq must be integers in [0, 2^63)")
-        if origin in summary:
-            raise MalformedMessage("summary lists an origin twice")
-        summary[origin] = (epoch, seq)
-    return summary
-
-
-def parse_record_list(items: object) -> list[bytes]:
-    """Validate a decoded array of raw records (raises MalformedMessage / OversizeMessage)."""
-    if type(items) is not list:
-        raise MalformedMessage("records must be an array")
-    if len(items) > MAX_RECORDS_PER_MESSAGE:
-        raise OversizeMessage(f"{len(items)} records exceeds {MAX_RECORDS_PER_MESSAGE}")
-    if any(type(item) is not bytes for item in items):
-        raise MalformedMessage("each record must be a byte string")
-    return items
-
-
-def decode_summary(data: bytes) -> Summary:
-    return parse_summary_entries(_load_message(data, MSG_SUMMARY, 2)[1])
-
-
-def decode_reply(data: bytes) -> ExchangeReply:
-    _, raws, summary, want = _load_message(data, MSG_REPLY, 4)
-    if type(want) is not list:
-        raise MalformedMessage("snapshot requests must be an array")
-    if len(want) > MAX_SNAPSHOT_REQUESTS:
-        raise OversizeMessage(f"{len(want)} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
-    if any(type(o) is not bytes or len(o) != PEER_ID_BYTES for o in want):
-        raise MalformedMessage("snapshot requests must be peer ids")
-    return ExchangeReply(parse_record_list(raws), parse_summary_entries(summary), frozenset(want))
-
-
-def decode_records(data: bytes) -> list[bytes]:
-    return parse_record_list(_load_message(data, MSG_RECORDS, 2)[1])
-
-
-# --- per-peer delta summaries (messages 4-6) ------------------------------------------------
-
-FULL_BASE = bytes(SUMMARY_HASH_BYTES)  # the base of a delta that is a whole summary
-
-
-@dataclass(frozen=True)
-class DeltaSummary:
-    """A summary relative to ``base`` (the hash of a summary the receiver holds for us;
-    :data:`FULL_BASE`: none) whose result hashes to ``new``."""
-
-    base: bytes
-    new: bytes
-    entries: Summary
-
-
-@dataclass(frozen=True)
-class DeltaReply:
-    records: list[bytes]
-    summary: DeltaSummary
-    want_snapshots: frozenset[bytes]
-
-
-def _check_delta(delta: DeltaSummary) -> None:
-    for value in (delta.base, delta.new):
-        if type(value) is not bytes or len(value) != SUMMARY_HASH_BYTES:
-            raise ValueError(f"summary hashes are {SUMMARY_HASH_BYTES} bytes")
-    if len(delta.entries) > MAX_SUMMARY_ENTRIES:
-        raise OversizeMessage(
-            f"summary of {len(delta.entries)} entries exceeds {MAX_SUMMARY_ENTRIES}"
-        )
-
-
-def encode_delta_summary(delta: DeltaSummary) -> bytes:
-    """Message 4: ``[4, base16, new16, [[origin, epoch, seq], ...]]`` (replaces message 1)."""
-    _check_delta(delta)
-    return _dump([MSG_DELTA_SUMMARY, delta.base, delta.new, summary_entries(delta.entries)])
-
-
-def encode_need_summary() -> bytes:
-    """Message 6: ``[6]``, the answer to a delta whose base the responder does not hold:
-    send the full summary (as message 4 with :data:`FULL_BASE`)."""
-    return _dump([MSG_NEED_SUMMARY])
-
-
-def encode_delta_reply(
-    records: Iterable[SignedRecord | bytes],
-    delta: DeltaSummary,
-    want_snapshots: Iterable[bytes] = (),
-) -> bytes:
-    """Message 5: ``[5, [raw, ...], base16, new16, [[origin, epoch, seq], ...], [origin,
-    ...]]`` (replaces message 2)."""
-    raws = _raws(records)
-    want = sorted(set(want_snapshots))
-    _check_reply_bounds(len(raws), len(delta.entries), len(want))
-    _check_delta(delta)
-    return _dump(
-        [MSG_DELTA_REPLY, raws, delta.base, delta.new, summary_entries(delta.entries), want]
-    )
-
-
-def _parse_hash(value: object) -> bytes:
-    if type(value) is not bytes or len(value) != SUMMARY_HASH_BYTES:
-        raise MalformedMessage(f"a summary hash is a {SUMMARY_HASH_BYTES}-byte string")
-    return value
-
-
-def _parse_want(want: object) -> frozenset[bytes]:
-    if type(want) is not list:
-        raise MalformedMessage("snapshot requests must be an array")
-    if len(want) > MAX_SNAPSHOT_REQUESTS:
-        raise OversizeMessage(f"{len(want)} snapshot requests exceeds {MAX_SNAPSHOT_REQUESTS}")
-    if any(type(o) is not bytes or len(o) != PEER_ID_BYTES for o in want):
-        raise MalformedMessage("snapshot requests must be peer ids")
-    return frozenset(want)
-
-
-def decode_delta_summary(data: bytes) -> DeltaSummary:
-    _, base, new, entries = _load_message(data, MSG_DELTA_SUMMARY, 4)
-    return DeltaSummary(_parse_hash(base), _parse_hash(new), parse_summary_entries(entries))
-
-
-def decode_need_summary(data: bytes) -> None:
-    """Accepts exactly message 6; raises :class:`MalformedMessage` otherwise."""
-    _load_message(data, MSG_NEED_SUMMARY, 1)
-
-
-def decode_delta_reply(data: bytes) -> DeltaReply:
-    _, raws, base, new, entries, want = _load_message(data, MSG_DELTA_REPLY, 6)
-    delta = DeltaSummary(_parse_hash(base), _parse_hash(new), parse_summary_entries(entries))
-    return DeltaReply(parse_record_list(raws), delta, _parse_want(want))
-
-
-# --- bucketed summaries (messages 7-8) --------------------------------------------------------
-
-
-def bucket_count(n_origins: int) -> int:
-    """The bucket count a node uses for ``n_origins`` held: the power of two >= it (about
-    one origin per bucket), at most :data:`MAX_BUCKETS`."""
-    return min(MAX_BUCKETS, 1 << max(0, n_origins - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _bucket_key(origin: bytes) -> int:
-    return int.from_bytes(origin[-4:], "big")
-
-
-def bucket_of(origin: bytes, k: int) -> int:
-    """The bucket of ``origin`` among ``k`` (a power of two): low bits of its last 4 bytes
-    (peer ids end with a public key: uniformly spread)."""
-    return _bucket_key(origin) & (k - 1)
-
-
-@dataclass(frozen=True)
-class ScopedSummary:
-    """The initiator's entries for the ``buckets`` (of ``k``) whose hashes differ."""
-
-    k: int
-    buckets: tuple[int, ...]
-    entries: Summary
-
-
-def _check_k(k: object, error: type[Exception]) -> int:
-    if type(k) is not int or not (0 < k <= MAX_BUCKETS and k & (k - 1) == 0):
-        raise error(f"bucket count must be a power of two <= {MAX_BUCKETS}")
-    return k
-
-
-def encode_buckets(hashes: Sequence[int]) -> bytes:
-    """Message 7: ``[7, bytes]``, the responder's bucket hashes (4 bytes each, big-endian)
-    when the opening summary hash differs (replaces ``[0, false]``)."""
-    _check_k(len(hashes), ValueError)
-    return _dump([MSG_BUCKETS, b"".join(h.to_bytes(BUCKET_HASH_BYTES, "big") for h in hashes)])
-
-
-def decode_buckets(data: bytes) -> list[int]:
-    _, packed = _load_message(data, MSG_BUCKETS, 2)
-    if type(packed) is not bytes or len(packed) % BUCKET_HASH_BYTES:
-        raise MalformedMessage("bucket hashes are a byte string of 4-byte hashes")
-    k = _check_k(len(packed) // BUCKET_HASH_BYTES, MalformedMessage)
-    return [
-        int.from_bytes(packed[i : i + BUCKET_HASH_BYTES], "big")
-        for i in range(0, k * BUCKET_HASH_BYTES, BUCKET_HASH_BYTES)
-    ]
-
-
-def encode_scoped_summary(scoped: ScopedSummary) -> bytes:
-    """Message 8: ``[8, k, [bucket, ...], [[origin, epoch, seq], ...]]`` (replaces message
-    1): the initiator's entries for the differing buckets."""
-    _check_k(scoped.k, ValueError)
-    if len(scoped.entries) > MAX_SUMMARY_ENTRIES:
-        raise OversizeMessage(
-            f"summary of {len(scoped.entries)} entries exceeds {MAX_SUMMARY_ENTRIES}"
-        )
-    buckets = sorted(set(scoped.buckets))
-    return _dump([MSG_SCOPED_SUMMARY, scoped.k, buckets, summary_entries(scoped.entries)])
-
-
-def decode_scoped_summary(data: bytes) -> ScopedSummary:
-    """Inverse of :func:`encode_scoped_summary`; validated like a summary, and every bucket
-    must be in range and listed once, every entry in a listed bucket."""
-    _, k, buckets, entries = _load_message(data, MSG_SCOPED_SUMMARY, 4)
-    k = _check_k(k, MalformedMessage)
-    if type(buckets) is not list or len(buckets) > k:
-        raise MalformedMessage("buckets must be an array of at most k indices")
-    if any(type(b) is not int or not 0 <= b < k for b in buckets):
-        raise MalformedMessage("bucket indices must be integers in [0, k)")
-    scope = set(buckets)
-    if len(scope) != len(buckets):
-        raise MalformedMessage("a bucket is listed twice")
-    summary = parse_summary_entries(entries)
-    if any(bucket_of(o, k) not in scope for o in summary):
-        raise MalformedMessage("a summary entry outside the listed buckets")
-    return ScopedSummary(k, tuple(buckets), summary)
-
-
-def peek_message_type(data: bytes) -> int | None:
-    """The type of an exchange message (its first element) without decoding it, or None
-    when ``data`` does not start like one (a CBOR array whose first item is a small
-    unsigned integer). Decode with the matching ``decode_*``, which validates everything."""
-    if len(data) >= 2 and 0x81 <= data[0] <= 0x97 and data[1] < 24:
-        return data[1]
-    return None

@@ -80,14 +80,7 @@ from dataclasses import dataclass
 
 import cbor2
 
-from .antientropy import (
-    MAX_ORIGIN_BYTES,
-    AntiEntropy,
-    AntiEntropyError,
-    parse_record_list,
-    parse_summary_entries,
-    summary_entries,
-)
+from .antientropy import MAX_ORIGIN_BYTES, AntiEntropy
 from .digest import (
     HASH_BYTES,
     MAX_MODEL_FP_BYTES,
@@ -97,6 +90,7 @@ from .digest import (
     LoadFigures,
     loads_bounded,
 )
+from .exchange import AntiEntropyError, parse_record_list, parse_summary_entries, summary_entries
 from .identity import PEER_ID_BYTES, Identity
 from .peerindex import PeerCacheIndex
 from .routing import rendezvous_score

@@ -1,5 +1,6 @@
-"""Tests for the incremental summary, per-peer delta summaries and delta batching of
-overlay/core/antientropy.py (issue 6, T7 and simulator speed)."""
+"""Tests for the incremental summary (cached encodings, records_for, bucket hashes), delta
+batching and bucketed exchanges of overlay/core/antientropy.py and overlay/core/exchange.py
+(issue 6, T7 and simulator speed)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.core import antientropy as ae
-from prefixmesh.overlay.core.antientropy import (
-    FULL_BASE,
-    AntiEntropy,
+from prefixmesh.overlay.core import exchange as ex
+from prefixmesh.overlay.core.antientropy import AntiEntropy
+from prefixmesh.overlay.core.digest import MAX_UINT
+from prefixmesh.overlay.core.exchange import (
     AntiEntropyError,
-    DeltaSummary,
-    OversizeMessage,
-    decode_delta_reply,
-    decode_delta_summary,
-    decode_need_summary,
     decode_records,
     decode_reply,
     decode_summary,
-    encode_delta_reply,
-    encode_delta_summary,
-    encode_need_summary,
     encode_records,
     encode_reply,
     encode_summary,
@@ -64,11 +57,11 @@ def full_sync(a: AntiEntropy, b: AntiEntropy, now: float) -> None:
 # --- cached encodings equal the reference codecs ---------------------------------------------
 
 
-@given(st.integers(0, ae.MAX_UINT), st.integers(0, ae.MAX_UINT))
+@given(st.integers(0, MAX_UINT), st.integers(0, MAX_UINT))
 @settings(max_examples=200)
 def test_entry_encoding_is_canonical_cbor(epoch, seq):
     origin = ident(1).peer_id
-    assert ae._entry_cbor(origin, (epoch, seq)) == cbor2.dumps(
+    assert ex.encode_entry(origin, (epoch, seq)) == cbor2.dumps(
         [origin, epoch, seq], canonical=True
     )
 
@@ -77,8 +70,8 @@ def test_entry_encoding_is_canonical_cbor(epoch, seq):
 @settings(max_examples=200)
 def test_array_head_is_canonical_cbor(n):
     # cbor2 writes the head of an n-element array; compare heads only
-    assert ae._cbor_head(4, n) == cbor2.dumps([None] * n, canonical=True)[: -n or None] if n < 300 \
-        else ae._cbor_head(4, n)[0] >> 5 == 4  # fmt: skip
+    assert ex._cbor_head(4, n) == cbor2.dumps([None] * n, canonical=True)[: -n or None] if n < 300 \
+        else ex._cbor_head(4, n)[0] >> 5 == 4  # fmt: skip
 
 
 def reference_bucket_hashes(summary, k):
@@ -87,7 +80,7 @@ def reference_bucket_hashes(summary, k):
     out = [0] * k
     for o, v in summary.items():
         h = hashlib.blake2b(cbor2.dumps([o, *v], canonical=True), digest_size=4).digest()
-        out[ae.bucket_of(o, k)] ^= int.from_bytes(h, "big")
+        out[ex.bucket_of(o, k)] ^= int.from_bytes(h, "big")
     return out
 
 
@@ -193,259 +186,6 @@ def test_records_for_matches_the_reference(adds, peer_entries, budget, wants):
 # --- per-peer delta summaries ----------------------------------------------------------------
 
 
-def test_delta_summary_reconstructs_the_full_summary_and_shrinks():
-    a, b, c = node(1), node(2), node(3)
-    t = T0 + 1
-    full_sync(a, c, t)
-    d1 = a.delta_summary_for(b.peer_id)
-    assert d1.base == FULL_BASE and d1.entries == a.summary()
-    assert b.peer_summary(a.peer_id, decode_delta_summary(encode_delta_summary(d1))) == a.summary()
-    # nothing changed: an empty delta against the told summary
-    d2 = a.delta_summary_for(b.peer_id)
-    assert d2.base == d1.new and d2.entries == {}
-    assert b.peer_summary(a.peer_id, d2) == a.summary()
-    # one origin changes: the delta lists just it
-    a.local_add_prefix(NS, shared_chain(3, 0, 7))
-    a.tick(t + 1)
-    d3 = a.delta_summary_for(b.peer_id)
-    assert set(d3.entries) == {a.peer_id} and d3.new == summary_hash(a.summary())
-    assert b.peer_summary(a.peer_id, d3) == a.summary()
-    assert len(encode_delta_summary(d3)) < len(encode_summary(a.summary()))
-
-
-def test_lost_delta_makes_the_next_base_check_fail_then_full_recovers():
-    a, b = node(1), node(2)
-    b.peer_summary(a.peer_id, a.delta_summary_for(b.peer_id))
-    a.local_add_prefix(NS, shared_chain(3, 0, 7))
-    a.tick(T0 + 1)
-    a.delta_summary_for(b.peer_id)  # lost on the way
-    a.local_add_prefix(NS, shared_chain(4, 0, 8))
-    a.tick(T0 + 2)
-    d = a.delta_summary_for(b.peer_id)
-    assert b.peer_summary(a.peer_id, d) is None  # b holds an older base: ask for the whole
-    full = a.full_summary_for(b.peer_id)
-    assert full.base == FULL_BASE
-    assert b.peer_summary(a.peer_id, full) == a.summary()
-    assert b.peer_summary(a.peer_id, a.delta_summary_for(b.peer_id)) == a.summary()
-
-
-def test_a_dropped_origin_forces_a_full_summary():
-    a, b, c = node(1, ttl=30.0, refresh_interval=10.0), node(2), node(3)
-    full_sync(a, c, T0)
-    b.peer_summary(a.peer_id, a.delta_summary_for(b.peer_id))
-    assert a.expire(T0 + 100) == [c.peer_id]
-    d = a.delta_summary_for(b.peer_id)
-    assert d.base == FULL_BASE and c.peer_id not in d.entries
-    assert b.peer_summary(a.peer_id, d) == a.summary()
-
-
-def test_peer_views_are_bounded_lru_and_can_be_off():
-    a = node(1, max_peer_views=2)
-    others = [node(i) for i in range(2, 6)]
-    for o in others:
-        o_delta = o.delta_summary_for(a.peer_id)
-        a.peer_summary(o.peer_id, o_delta)
-        a.delta_summary_for(o.peer_id)
-    assert len(a._views) == 2 and len(a._told) == 2
-    assert list(a._views) == [o.peer_id for o in others[-2:]]
-    off = node(9, max_peer_views=0)
-    assert off.delta_summary_for(a.peer_id).base == FULL_BASE
-    assert off.delta_summary_for(a.peer_id).base == FULL_BASE  # never remembers
-    with pytest.raises(ValueError):
-        node(10, max_peer_views=-1)
-
-
-def test_patched_view_is_bounded_like_a_full_summary(monkeypatch):
-    a, b = node(1), node(2)
-    b.peer_summary(a.peer_id, a.delta_summary_for(b.peer_id))
-    monkeypatch.setattr(ae, "MAX_SUMMARY_ENTRIES", 3)
-    base = a.summary_digest()
-    hostile = DeltaSummary(base, bytes(range(16)), {ident(100 + i).peer_id: (1, 0) for i in range(3)})
-    with pytest.raises(OversizeMessage):
-        b.peer_summary(a.peer_id, hostile)
-
-
-def test_delta_message_codecs_round_trip_and_reject_garbage():
-    a = node(1)
-    d = a.delta_summary_for(node(2).peer_id)
-    assert decode_delta_summary(encode_delta_summary(d)) == d
-    raws = [s.raw for s in a.held_records(a.peer_id)]
-    want = frozenset({node(3).peer_id})
-    r = decode_delta_reply(encode_delta_reply(raws, d, want))
-    assert (r.records, r.summary, r.want_snapshots) == (raws, d, want)
-    decode_need_summary(encode_need_summary())
-    bad = [
-        b"",
-        encode_summary(a.summary()),
-        cbor2.dumps([4, b"short", d.new, []]),
-        cbor2.dumps([4, d.base, d.new, [[b"x", 1, 2]]]),
-        cbor2.dumps([5, raws, d.base, d.new, [], [b"not-a-peer"]]),
-        cbor2.dumps([6, 1]),
-    ]
-    decoders = (decode_delta_summary, decode_delta_reply, decode_need_summary)
-    for data in bad:
-        for decode in decoders:
-            with pytest.raises(AntiEntropyError):
-                decode(data)
-    with pytest.raises(ValueError):
-        encode_delta_summary(DeltaSummary(b"x", d.new, {}))
-
-    @given(st.binary(max_size=200))
-    @settings(max_examples=200)
-    def fuzz(data):
-        for decode in decoders:
-            try:
-                decode(data)
-            except AntiEntropyError:
-                pass
-
-    fuzz()
-
-
-# --- delta summaries converge like full ones, with loss -------------------------------------
-
-
-class DeltaSim:
-    """Lossy push-pull gossip whose summaries are per-peer deltas (messages 0, 4-6, 3)."""
-
-    def __init__(self, n: int, seed: int, loss: float, fanout: int, delta: bool = True):
-        self.rng = random.Random(seed)
-        self.loss, self.fanout, self.delta = loss, fanout, delta
-        self.t = T0
-        self.nodes = [
-            node(1000 * seed + i, now=T0, ttl=600.0, refresh_interval=60.0) for i in range(n)
-        ]
-        self.messages = self.dropped = self.need_full = 0
-
-    def _deliver(self) -> bool:
-        self.messages += 1
-        if self.rng.random() < self.loss:
-            self.dropped += 1
-            return False
-        return True
-
-    def exchange(self, i: int, j: int) -> None:
-        a, b = self.nodes[i], self.nodes[j]
-        if not self.delta:
-            if self._deliver():
-                m2 = encode_reply(b.records_for(a.summary(), BIG), b.summary())
-                if self._deliver():
-                    reply = decode_reply(m2)
-                    a.receive(reply.records, self.t)
-                    m3 = encode_records(a.records_for(reply.summary, BIG))
-                    if self._deliver():
-                        b.receive(decode_records(m3), self.t)
-            return
-        m1 = encode_delta_summary(a.delta_summary_for(b.peer_id))
-        if not self._deliver():
-            return
-        theirs = b.peer_summary(a.peer_id, decode_delta_summary(m1))
-        if theirs is None:
-            self.need_full += 1
-            decode_need_summary(encode_need_summary())
-            if not self._deliver():
-                return
-            m1 = encode_delta_summary(a.full_summary_for(b.peer_id))
-            if not self._deliver():
-                return
-            theirs = b.peer_summary(a.peer_id, decode_delta_summary(m1))
-        m2 = encode_delta_reply(b.records_for(theirs, BIG), b.delta_summary_for(a.peer_id))
-        if not self._deliver():
-            return
-        reply = decode_delta_reply(m2)
-        a.receive(reply.records, self.t)
-        summary = a.peer_summary(b.peer_id, reply.summary)
-        if summary is None:
-            return
-        m3 = encode_records(a.records_for(summary, BIG, reply.want_snapshots))
-        if self._deliver():
-            b.receive(decode_records(m3), self.t)
-
-    def round(self) -> None:
-        self.t += 1.0
-        for n in self.nodes:
-            n.tick(self.t)
-        order = list(range(len(self.nodes)))
-        self.rng.shuffle(order)
-        for i in order:
-            others = [j for j in range(len(self.nodes)) if j != i]
-            for j in self.rng.sample(others, self.fanout):
-                self.exchange(i, j)
-
-    def state(self) -> list[dict]:
-        return [n.summary() for n in self.nodes]
-
-    def converged(self) -> bool:
-        first = self.nodes[0].summary()
-        return all(n.summary() == first for n in self.nodes[1:])
-
-
-@pytest.mark.parametrize("fanout", [1, 2, 3])
-def test_delta_summaries_converge_64_lossy_peers_in_logarithmic_rounds(fanout):
-    n, loss = 64, 0.2
-    bound = 2 * math.log(n + 1) / fanout + 4
-    sim = DeltaSim(n, 7, loss, fanout)
-    for k, nd in enumerate(sim.nodes):
-        nd.local_add_prefix(NS, shared_chain(4 + k % 5, 2, k))
-    for _ in range(60):
-        sim.round()
-        if sim.converged():
-            break
-    assert sim.converged()
-    origin = sim.nodes[0]
-    origin.local_add_prefix(NS2, shared_chain(6, 0, 200))
-    rounds = 0
-    while True:
-        sim.round()
-        rounds += 1
-        target = origin.summary()[origin.peer_id]
-        if all(nd.summary().get(origin.peer_id) == target for nd in sim.nodes):
-            break
-        assert rounds <= 50
-    assert rounds <= bound, (fanout, rounds, bound)
-    assert sim.dropped > 0.1 * sim.messages and sim.need_full > 0  # the safety net ran
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.integers(0, 2**32),
-    st.floats(0.0, 0.4),
-    st.lists(st.tuples(st.integers(0, 11), st.integers(1, 9), st.booleans()), max_size=20),
-)
-def test_delta_and_full_summaries_reach_the_same_state_under_loss(seed, loss, edits):
-    n = 12
-    runs = []
-    for delta in (True, False):
-        sim = DeltaSim(n, seed, loss, 2, delta=delta)
-        held: dict[int, list[list[bytes]]] = {}
-        for k, blocks, remove in edits:
-            sim.round()
-            c = shared_chain(blocks, 1, blocks * 13 + k)
-            if remove and held.get(k):
-                sim.nodes[k].local_remove_prefix(NS, held[k].pop())
-            else:
-                sim.nodes[k].local_add_prefix(NS, c)
-                held.setdefault(k, []).append(c)
-        sim.loss = 0.0  # then lossless rounds until everyone agrees
-        for _ in range(40):
-            sim.round()
-            if sim.converged():
-                break
-        assert sim.converged()
-        runs.append(sim)
-    delta_run, full_run = runs
-    # every node holds every origin's latest record, byte for byte, in both protocols
-    for dn, fn in zip(delta_run.nodes, full_run.nodes, strict=True):
-        assert dn.summary() == delta_run.nodes[0].summary()
-        for o in dn.origins():
-            own = next(x for x in delta_run.nodes if x.peer_id == o)
-            assert dn.held_records(o) == own.held_records(o)
-        assert dn.local_hashes() == fn.local_hashes()
-
-
-# --- batching own deltas ----------------------------------------------------------------------
-
-
 def test_min_record_interval_batches_changes_into_one_delta():
     a = node(1, min_record_interval=5.0)
     t = T0
@@ -476,7 +216,7 @@ def test_min_record_interval_batches_changes_into_one_delta():
 def bucket_exchange(a: AntiEntropy, b: AntiEntropy, now: float) -> bool:
     """a opens, b answers with bucket hashes, a sends the differing buckets' entries, b
     replies with records + its entries there, a sends records: through the codecs."""
-    from prefixmesh.overlay.core.antientropy import (
+    from prefixmesh.overlay.core.exchange import (
         ScopedSummary,
         bucket_count,
         decode_buckets,
@@ -531,7 +271,7 @@ def test_a_bucket_exchange_moves_exactly_what_a_full_exchange_moves(adds, syncs)
 
 
 def test_bucket_hashes_track_the_summary_and_codecs_reject_garbage():
-    from prefixmesh.overlay.core.antientropy import (
+    from prefixmesh.overlay.core.exchange import (
         ScopedSummary,
         bucket_count,
         bucket_of,
@@ -617,7 +357,7 @@ def test_bucket_exchanges_converge_64_lossy_peers_in_logarithmic_rounds(fanout):
 
 
 def test_peek_message_type_names_each_message_without_decoding():
-    from prefixmesh.overlay.core.antientropy import (
+    from prefixmesh.overlay.core.exchange import (
         ScopedSummary,
         encode_buckets,
         encode_scoped_summary,
@@ -631,8 +371,6 @@ def test_peek_message_type_names_each_message_without_decoding():
         1: encode_summary(a.summary()),
         2: encode_reply([], a.summary()),
         3: encode_records([]),
-        4: encode_delta_summary(a.delta_summary_for(node(2).peer_id)),
-        6: encode_need_summary(),
         7: encode_buckets([0, 0]),
         8: encode_scoped_summary(ScopedSummary(2, (), {})),
     }
