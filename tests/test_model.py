@@ -6,6 +6,7 @@ wheel and never contact a model hub.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from _model_fixture import default_model_path as shared_model_path
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixmesh.inference import model
 from prefixmesh.inference.model import (
@@ -170,6 +173,29 @@ def test_gguf_info_of_default_model():
     assert len(info.fingerprint) == 16
     assert read_gguf_info(shared_model_path()).fingerprint == info.fingerprint
     assert info.header_bytes < 4 * 2**20  # only the header was read
+
+
+def test_gguf_fingerprint_of_the_pinned_model_is_stable():
+    # the fingerprint names every stored KV state: a parser change must not move it
+    # (value computed by the one-read-per-field parser this buffered one replaced)
+    assert read_gguf_info(shared_model_path()).fingerprint.hex() == (
+        "6a3a412116892bba3ada861ce0f4fede")
+
+
+@settings(max_examples=40, deadline=None)
+@given(cut=st.integers(0, 1_785_664 - 1))
+def test_gguf_header_cut_anywhere_is_refused(tmp_path_factory, cut):
+    head = _model_head()
+    p = tmp_path_factory.mktemp("cut") / "cut.gguf"
+    p.write_bytes(head[:cut])
+    with pytest.raises(GGUFError):
+        read_gguf_info(p)
+
+
+@functools.cache
+def _model_head() -> bytes:
+    with open(shared_model_path(), "rb") as f:
+        return f.read(1_785_664)  # the header of the pinned model
 
 
 def test_gguf_fingerprint_depends_on_metadata(tmp_path):
