@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.prefixmesh-installed
 
-.PHONY: all install demo test lint model bench-core clean browser natlab
+.PHONY: all install demo test lint model bench-core clean browser natlab llama-gpu
 
 all: test
 
@@ -51,6 +51,23 @@ natlab:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	  --no-install-recommends nftables iproute2; } || \
 	echo "warning: could not install nftables: the NAT lab tests will be skipped"
+
+# Rebuild llama-cpp-python (same version) with a GPU backend: make llama-gpu GPU=cuda
+# (or metal, vulkan; README "GPU"). Needs that backend's SDK (CUDA toolkit's nvcc, Xcode,
+# Vulkan SDK); then checks that llama.cpp reports GPU offload.
+GPU ?= cuda
+llama-gpu: $(STAMP)
+	@case "$(GPU)" in \
+	  cuda) args="-DGGML_CUDA=on" ;; metal) args="-DGGML_METAL=on" ;; \
+	  vulkan) args="-DGGML_VULKAN=on" ;; \
+	  *) echo "GPU must be cuda, metal or vulkan (got '$(GPU)')"; exit 2 ;; \
+	esac; \
+	version=$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))'); \
+	echo "building llama-cpp-python $$version with CMAKE_ARGS=$$args (several minutes)"; \
+	CMAKE_ARGS="$$args" FORCE_CMAKE=1 $(BIN)/python -m pip install --force-reinstall \
+	  --no-deps --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$$version"
+	$(BIN)/python -c "import llama_cpp, sys; ok = llama_cpp.llama_supports_gpu_offload(); \
+	print('llama.cpp GPU offload:', 'available' if ok else 'NOT available'); sys.exit(0 if ok else 1)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
