@@ -82,15 +82,11 @@ from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.antientropy import AntiEntropy
 from prefixmesh.overlay.core.digest import LoadFigures
 from prefixmesh.overlay.core.identity import Identity, KeyFileNotFound, peer_id_to_b58
+from prefixmesh.overlay.core.limits import ForwardShareLimiter, InboundSubnetCap
 from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
-from prefixmesh.overlay.core.trust import (
-    ForwardShareLimiter,
-    InboundSubnetCap,
-    SpotChecker,
-    TrustTracker,
-)
+from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
 from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat

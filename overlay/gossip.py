@@ -99,8 +99,8 @@ from .core.exchange import (
     peek_message_type,
     summary_hash,
 )
+from .core.limits import PeerRateLimiter
 from .core.peerindex import PeerCacheIndex
-from .core.trust import PeerRateLimiter
 from .host import FramedStream, HostError, OverlayHost, ResponderGate, guarded_exchange
 
 __all__ = ["Gossip", "summary_hash"]

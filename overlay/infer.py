@@ -61,17 +61,11 @@ from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 from .core import wire
 from .core.digest import LoadFigures
 from .core.identity import peer_id_to_b58
+from .core.limits import ForwardShareLimiter, PeerRateLimiter, SubnetLimiter
 from .core.partition import lookup_pays
 from .core.peerindex import PeerCacheIndex
 from .core.routing import Candidate, Policy, RouteContext, RouterMemory, candidate_cost_s
-from .core.trust import (
-    MISMATCH,
-    ForwardShareLimiter,
-    PeerRateLimiter,
-    SpotChecker,
-    SubnetLimiter,
-    TrustTracker,
-)
+from .core.trust import MISMATCH, SpotChecker, TrustTracker
 from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .partgossip import PartitionGossip

@@ -65,6 +65,7 @@ import trio
 from .core import wire
 from .core.digest import DigestError
 from .core.exchange import peek_message_type
+from .core.limits import PeerRateLimiter
 from .core.partition import (
     MAX_PARTITION_MESSAGE_BYTES,
     MSG_LOOKUP,
@@ -85,7 +86,6 @@ from .core.partition import (
     encode_lookup_answer,
     encode_push,
 )
-from .core.trust import PeerRateLimiter
 from .host import (
     FramedStream,
     HostError,

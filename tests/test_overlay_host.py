@@ -139,7 +139,7 @@ def test_inbound_subnet_cap_closes_connections_past_a_subnets_share():
     """H admits one inbound peer per subnet (loopback counted here): A's connection stays,
     B's (same 127.0.0.0/24) is closed as soon as it is registered; H's own dial to B is
     outbound and not counted; once A is down, B's dial reclaims A's slot."""
-    from prefixmesh.overlay.core.trust import InboundSubnetCap  # noqa: PLC0415
+    from prefixmesh.overlay.core.limits import InboundSubnetCap  # noqa: PLC0415
 
     async def echo(stream):
         fs = FramedStream(stream)

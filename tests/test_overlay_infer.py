@@ -17,7 +17,7 @@ from prefixmesh.node.config import load_config
 from prefixmesh.node.daemon import Node, NodeOptions
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.identity import Identity
-from prefixmesh.overlay.core.trust import ForwardShareLimiter
+from prefixmesh.overlay.core.limits import ForwardShareLimiter
 from prefixmesh.overlay.infer import _Diverged, _Relay
 
 SYSTEM = "a long shared system prompt about routing requests to cached prefixes. " * 10
@@ -355,7 +355,7 @@ def test_duplicate_id_at_next_hop_falls_back_instead_of_failing(tmp_path):
 def test_per_peer_request_rate_limit(tmp_path):
     """Over its token bucket a peer gets a retryable "overloaded" with a retry hint;
     other peers are not affected."""
-    from prefixmesh.overlay.core.trust import PeerRateLimiter
+    from prefixmesh.overlay.core.limits import PeerRateLimiter
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -397,7 +397,7 @@ def test_subnet_limit_and_router_memory_are_wired(tmp_path):
     """Candidates are capped per subnet by the address of the live connection (loopback
     is exempt by default; the test turns the exemption off), and every decision goes
     through the node's RouterMemory (placements, requests forwarded in)."""
-    from prefixmesh.overlay.core.trust import SubnetLimiter
+    from prefixmesh.overlay.core.limits import SubnetLimiter
 
     async def main():
         async with trio.open_nursery() as nursery:

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.core.trust import InvalidObservation, InvalidTrustConfig, PeerRateLimiter
+from prefixmesh.overlay.core.limits import PeerRateLimiter
+from prefixmesh.overlay.core.trust import InvalidObservation, InvalidTrustConfig
 
 PEERS = [bytes([i]) * 4 for i in range(6)]
 

@@ -9,6 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixmesh.overlay.core.limits import (
+    ForwardShareLimiter,
+    InboundSubnetCap,
+    SubnetLimiter,
+    subnet_of_multiaddr,
+)
 from prefixmesh.overlay.core.routing import (
     FORWARD,
     Candidate,
@@ -20,17 +26,13 @@ from prefixmesh.overlay.core.trust import (
     DRIFT,
     MATCH,
     MISMATCH,
-    ForwardShareLimiter,
-    InboundSubnetCap,
     InvalidObservation,
     InvalidTrustConfig,
     SpotChecker,
     SpotCheckVerdict,
-    SubnetLimiter,
     TrustConfig,
     TrustTracker,
     observations_to_floor,
-    subnet_of_multiaddr,
 )
 
 FLOOR = RoutingConfig().trust_floor  # 0.2
