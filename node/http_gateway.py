@@ -86,6 +86,7 @@ import trio
 
 from prefixmesh.overlay.core import wire
 
+from . import ollama_api
 from .config import is_loopback_host
 from .openai_schema import (
     MAX_BODY_BYTES,
@@ -456,6 +457,16 @@ class GatewayApp:
             raise NotFound(f"no such endpoint here: {method} {path} (this listener serves "
                            "only /metrics, /prefixmesh/overview and /dashboard)",
                            code="unknown_url")
+        if path.startswith("/api/"):  # the Ollama API, same rules (node/ollama_api.py)
+            hooks = ollama_api.GatewayHooks(
+                resolve_tenant=lambda: resolve_tenant(
+                    self.settings, headers.get("authorization"), headers.get(TENANT_HEADER),
+                    self.backend.tenant_names()),
+                read_body=lambda: self._read_body(receive, headers), run=self._run,
+                send_json=_send_json, drain=lambda: _drain(receive, DRAIN_LIMIT_BYTES, 2.0),
+                make_job=GenerationJob)
+            await ollama_api.handle(self, hooks, path, method, send)
+            return
         routes = {"/v1/models": "GET", "/v1/chat/completions": "POST",
                   "/v1/completions": "POST", "/prefixmesh/status": "GET"}
         if path in routes:
