@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -643,3 +643,24 @@ RadixMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_radix_against_reference = RadixMachine.TestCase
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    stored=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), max_size=12),
+    query=st.lists(st.integers(0, 3), max_size=8),
+)
+def test_longest_prefix_entry_matches_a_brute_force_scan(stored, query):
+    tree = RadixTree(1 << 20)
+    for toks in stored:
+        tree.insert(toks, None, 1)
+    q = tuple(query)
+    prefixes = [e for e in tree.entries() if q[: len(e.tokens)] == e.tokens]
+    got = tree.longest_prefix_entry(q)
+    if not prefixes:
+        assert got is None
+    else:
+        assert got is max(prefixes, key=lambda e: len(e.tokens))
+    before = [e.last_used for e in tree.entries()]
+    tree.longest_prefix_entry(q)
+    assert [e.last_used for e in tree.entries()] == before  # no LRU touch

@@ -349,6 +349,23 @@ class RadixTree:
         self._touch(entry)
         return Match(depth, entry)
 
+    def longest_prefix_entry(self, tokens: Sequence[int]) -> Entry | None:
+        """The longest stored entry whose tokens are a prefix of ``tokens`` (``tokens``
+        itself included), or None. Does not count as a use. O(L) like ``match``."""
+        query = _as_tokens(tokens)
+        node = self._root
+        depth = 0
+        found: Entry | None = None
+        while depth < len(query):
+            child = node.children.get(query[depth])
+            if child is None or _common_prefix(child.key, query, depth) < len(child.key):
+                break  # only whole edges end at an entry
+            depth += len(child.key)
+            node = child
+            if node.entry is not None:
+                found = node.entry
+        return found
+
     def get(self, tokens: Sequence[int]) -> Entry | None:
         """The entry for exactly ``tokens``, or None. Does not count as a use."""
         return self._entries.get(_as_tokens(tokens))
