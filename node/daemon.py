@@ -87,6 +87,7 @@ from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
 from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
+from prefixmesh.overlay.digestexchange import ExchangeSettings
 from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat
@@ -376,6 +377,15 @@ class Node:
                 self.ae.local_add_prefix(ns, chain)
         self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
         self.host.set_handler(wire.PEERS_PROTOCOL, self._handle_peers)
+        # one settings value for whichever digest exchange runs (overlay/digestexchange.py)
+        exchange = ExchangeSettings(
+            interval_s=cfg.digest.interval_s,
+            fanout=cfg.digest.fanout,
+            byte_budget=cfg.digest.byte_budget,
+            bucket_summaries=cfg.digest.bucket_summaries,
+            exchange_rate_per_s=cfg.limits.digest_exchange_rate,
+            exchange_burst=cfg.limits.digest_exchange_burst,
+        )
         if self.pd is not None:
             self.pgossip = PartitionGossip(
                 self.host,
@@ -383,8 +393,7 @@ class Node:
                 peers=self.heartbeat.up_peers,
                 on_learn=lambda peer, addrs: self.directory.learn(peer, addrs, "gossip"),
                 before_tick=self._before_tick,
-                interval_s=cfg.digest.interval_s,
-                byte_budget=cfg.digest.byte_budget,
+                settings=exchange,
             )
             self.infer.partition = self.pgossip
         elif opts.digest:
@@ -395,14 +404,9 @@ class Node:
                 peers=self.heartbeat.up_peers,
                 on_learn=lambda peer, addrs: self.directory.learn(peer, addrs, "gossip"),
                 before_tick=self._before_tick,
-                interval_s=cfg.digest.interval_s,
-                fanout=cfg.digest.fanout,
-                byte_budget=cfg.digest.byte_budget,
-                bucket_summaries=cfg.digest.bucket_summaries,
+                settings=exchange,
                 rng=random.Random(opts.seed),
                 peer_hash=self._peer_summary_hash,
-                exchange_rate_per_s=cfg.limits.digest_exchange_rate,
-                exchange_burst=cfg.limits.digest_exchange_burst,
             )
             if cfg.limits.digest_exchange_rate * cfg.digest.interval_s < 1.0:
                 # peers configured like us open ~1 exchange per interval with us: we

@@ -35,7 +35,7 @@ nodes therefore pay for summaries only when some origin issued a new record.
 Limits per peer (responder side, checked before a byte of the stream is read): a remote
 peer may hold at most ``max_exchanges_per_peer`` (2) responder exchanges open at once,
 and may open exchanges at most at ``exchange_rate_per_s`` (4/s) with bursts of
-``exchange_burst`` (8) (a :class:`~.trust.PeerRateLimiter` on ``limit_clock``, monotonic
+``exchange_burst`` (8) (a :class:`~.core.limits.PeerRateLimiter` on ``limit_clock``, monotonic
 by default). Over either, the stream is reset unread and counted as
 ``exchanges_concurrency_limited`` / ``exchanges_rate_limited``; the initiator sees a
 failed exchange and tries again in a later round. Why these never throttle an honest
@@ -69,11 +69,13 @@ still gets through, at a slower pace.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -101,6 +103,7 @@ from .core.exchange import (
 )
 from .core.limits import PeerRateLimiter
 from .core.peerindex import PeerCacheIndex
+from .digestexchange import ExchangeSettings
 from .host import FramedStream, HostError, OverlayHost, ResponderGate, guarded_exchange
 
 __all__ = ["Gossip", "summary_hash"]
@@ -119,6 +122,8 @@ log = logging.getLogger(__name__)
 
 
 class Gossip:
+    """Full replication's digest exchange (a :class:`~.digestexchange.DigestExchange`)."""
+
     def __init__(
         self,
         host: OverlayHost,
@@ -128,58 +133,53 @@ class Gossip:
         peers: Callable[[], Sequence[bytes]],
         on_learn: Callable[[bytes, Sequence[str]], None] | None = None,
         before_tick: Callable[[float], None] | None = None,
-        interval_s: float = 1.0,
-        fanout: int = 3,
-        byte_budget: int = 64 * 1024,
-        exchange_timeout_s: float = 3.0,
-        max_message_bytes: int | None = None,
+        settings: ExchangeSettings | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
-        summary_hash_check: bool = True,
         peer_hash: Callable[[bytes], bytes] | None = None,
-        backstop_rounds: int = 10,
-        bucket_summaries: bool = False,
-        exchange_rate_per_s: float = 4.0,
-        exchange_burst: float = 8.0,
-        max_exchanges_per_peer: int = 2,
         limit_clock: Callable[[], float] = time.monotonic,
+        **overrides: Any,
     ):
+        # overrides: single ExchangeSettings fields by keyword (tests, benchmarks)
+        s = self.settings = dataclasses.replace(settings or ExchangeSettings(), **overrides)
         self.host = host
         self.ae = ae
         self.index = index
         self.peers = peers
         self.on_learn = on_learn
         self.before_tick = before_tick
-        self.interval_s = interval_s
-        self.fanout = fanout
-        self.byte_budget = byte_budget
-        self.exchange_timeout_s = exchange_timeout_s
-        self.max_message_bytes = max_message_bytes or (2 * byte_budget + 256 * 1024)
+        # run-time copies: benchmarks switch some of them between phases (bench/overlay.py)
+        self.interval_s = s.interval_s
+        self.fanout = s.fanout
+        self.byte_budget = s.byte_budget
+        self.exchange_timeout_s = s.exchange_timeout_s
+        self.max_message_bytes = s.max_message_bytes or (2 * s.byte_budget + 256 * 1024)
         self.rng = rng or random.Random()
         self.clock = clock
         # send a summary hash first (saves the summaries when in sync); responders accept
         # both openings, so this is a per-initiator choice (the benchmark compares them)
-        self.summary_hash_check = summary_hash_check
+        self.summary_hash_check = s.summary_hash_check
         # peers' summary hashes as their heartbeats report them (b"": unknown). When
         # given, a round contacts only peers whose hash differs from ours, plus one random
         # peer every ``backstop_rounds`` rounds in case a report is stale or lost.
         self.peer_hash = peer_hash
-        self.backstop_rounds = backstop_rounds
+        self.backstop_rounds = s.backstop_rounds
         # responder: answer a differing summary hash with bucket hashes (message 7) so
         # that only the differing buckets' entries are exchanged. Initiators always accept
         # both answers; turn this on once every node runs code that does.
-        self.bucket_summaries = bucket_summaries
+        self.bucket_summaries = s.bucket_summaries
         self.own_hash = b""
         self.rounds = 0
         self.stats: Counter[str] = Counter()
         self._want_snapshots: set[bytes] = set()
         self.last_heard: dict[bytes, float] = {}  # origin -> wall time of its last applied record
         # responder-side limits per remote peer (module docstring, "Limits per peer")
+        max_exchanges_per_peer = s.max_exchanges_per_peer
         if isinstance(max_exchanges_per_peer, bool) or not isinstance(max_exchanges_per_peer, int) \
                 or max_exchanges_per_peer < 1:
             raise ValueError(f"max_exchanges_per_peer must be an int >= 1, "
                              f"got {max_exchanges_per_peer!r}")
-        self.exchange_limiter = PeerRateLimiter(exchange_rate_per_s, exchange_burst)
+        self.exchange_limiter = PeerRateLimiter(s.exchange_rate_per_s, s.exchange_burst)
         self.max_exchanges_per_peer = max_exchanges_per_peer
         self.limit_clock = limit_clock  # monotonic: a wall-clock step must not freeze buckets
         self._gate = ResponderGate(self.exchange_limiter, max_exchanges_per_peer, limit_clock,
@@ -215,6 +215,16 @@ class Gossip:
 
     def _rehash(self) -> None:
         self.own_hash = self.ae.summary_digest()  # cached until the summary changes
+
+    # --- the DigestExchange interface (overlay/digestexchange.py) ----------------------
+
+    def advertised_hash(self) -> bytes:
+        return self.own_hash
+
+    def node_stats(self) -> dict[str, int]:
+        out = {f"digest_{k}": int(v) for k, v in self.stats.items()}
+        out["digest_rounds"] = self.rounds
+        return out
 
     async def round(self) -> None:
         self.tick()

@@ -39,7 +39,7 @@ partition sends a home the chain (:func:`~.partition.encode_lookup`) and gets th
 
 Responder limits per remote peer, checked before a byte is read (as in :mod:`.gossip`):
 at most ``max_open_per_peer`` streams answered at once and ``request_rate_per_s`` /
-``request_burst`` streams opened (a :class:`~.trust.PeerRateLimiter`, one bucket for
+``request_burst`` streams opened (a :class:`~.core.limits.PeerRateLimiter`, one bucket for
 pushes and lookups). Why these defaults (64/s, burst 256, 8 open) never throttle an honest
 peer in practice: an origin sends at most one push per (partition, home) per round and
 one at a time per home, so a burst is bounded by the partitions it has new prefixes in;
@@ -55,10 +55,12 @@ nothing a peer sends stops the loop or the responder.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -86,6 +88,7 @@ from .core.partition import (
     encode_lookup_answer,
     encode_push,
 )
+from .digestexchange import ExchangeSettings
 from .host import (
     FramedStream,
     HostError,
@@ -102,6 +105,8 @@ log = logging.getLogger(__name__)
 
 
 class PartitionGossip:
+    """Partial replication's digest exchange (a :class:`~.digestexchange.DigestExchange`)."""
+
     def __init__(
         self,
         host: OverlayHost,
@@ -110,32 +115,29 @@ class PartitionGossip:
         peers: Callable[[], Sequence[bytes]],
         on_learn: Callable[[bytes, Sequence[str]], None] | None = None,
         before_tick: Callable[[float], None] | None = None,
-        interval_s: float = 1.0,
-        byte_budget: int = 64 * 1024,
-        exchange_timeout_s: float = 3.0,
+        settings: ExchangeSettings | None = None,
         clock: Callable[[], float] = time.time,
-        request_rate_per_s: float = 64.0,
-        request_burst: float = 256.0,
-        max_open_per_peer: int = 8,
         limit_clock: Callable[[], float] = time.monotonic,
-        stream_idle_s: float = 20.0,
+        **overrides: Any,
     ):
+        # overrides: single ExchangeSettings fields by keyword (tests, benchmarks)
+        s = self.settings = dataclasses.replace(settings or ExchangeSettings(), **overrides)
         self.host = host
         self.pd = pd
         self.peers = peers
         self.on_learn = on_learn
         self.before_tick = before_tick
-        self.interval_s = interval_s
-        self.byte_budget = byte_budget
-        self.exchange_timeout_s = exchange_timeout_s
+        self.interval_s = s.interval_s
+        self.byte_budget = s.byte_budget
+        self.exchange_timeout_s = s.exchange_timeout_s
         self.clock = clock
         self.stats: Counter[str] = Counter()
-        self.limiter = PeerRateLimiter(request_rate_per_s, request_burst)
+        self.limiter = PeerRateLimiter(s.request_rate_per_s, s.request_burst)
         self.limit_clock = limit_clock  # monotonic: a wall-clock step must not freeze buckets
-        self._gate = ResponderGate(self.limiter, max_open_per_peer, limit_clock, self.stats,
+        self._gate = ResponderGate(self.limiter, s.max_open_per_peer, limit_clock, self.stats,
                                    concurrency_key="concurrency_limited",
                                    rate_key="rate_limited")
-        self.stream_idle_s = stream_idle_s
+        self.stream_idle_s = s.stream_idle_s
         # open push streams: home -> (stream, monotonic time of last use)
         self._push_streams: dict[bytes, tuple[FramedStream, float]] = {}
         self.rounds = 0
@@ -145,6 +147,23 @@ class PartitionGossip:
     def lookup_cache(self) -> LookupCache:
         """The digest state's cache of lookup answers (shared with the router)."""
         return self.pd.lookup_cache
+
+    # --- the DigestExchange interface (overlay/digestexchange.py) ----------------------
+
+    def advertised_hash(self) -> bytes:
+        return b""  # no single summary: each partition's stream has its own
+
+    def node_stats(self) -> dict[str, int]:
+        out = {f"part_{k}": int(v) for k, v in self.stats.items()}
+        out["part_rounds"] = self.rounds
+        out["part_streams"] = len(self.pd.streams)
+        out["part_lookup_cache_hits"] = self.lookup_cache.hits
+        out["part_lookup_cache_misses"] = self.lookup_cache.misses
+        rejected: Counter[str] = Counter()
+        for ae in self.pd.streams.values():
+            rejected.update({k: int(v) for k, v in ae.stats["rejected"].items()})
+        out.update({f"part_rejected_{k}": v for k, v in rejected.items()})
+        return out
 
     # --- membership --------------------------------------------------------------------
 
