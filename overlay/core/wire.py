@@ -343,79 +343,85 @@ def _hop_obj(h: Hop) -> dict[str, Any]:
     }
 
 
+def _request_obj(frame: Request) -> dict[str, Any]:
+    s = frame.sampling
+    obj = {
+        "t": "req",
+        "id": frame.id,
+        "ns": frame.ns,
+        "cr": frame.credential,
+        "msg": [[m.role, m.content] for m in frame.messages],
+        "tok": _pack_ids(frame.tokens),
+        "s": [s.max_tokens, float(s.temperature), float(s.top_p), s.seed],
+        "dl": float(frame.deadline),
+        "hb": frame.hop_budget,
+        "v": list(frame.visited),
+        "tr": [_hop_obj(h) for h in frame.trace],
+        "st": frame.stream,
+    }
+    if frame.holders:  # omitted when empty: full-replication requests are unchanged
+        obj["ho"] = [[p, b] for p, b in frame.holders]
+    return obj
+
+
+def _final_obj(frame: Final) -> dict[str, Any]:
+    return {
+        "t": "fin",
+        "id": frame.id,
+        "en": frame.entry,
+        "sv": frame.serving,
+        "pt": frame.prompt_tokens,
+        "ct": frame.cached_tokens,
+        "gt": frame.completion_tokens,
+        "tt": float(frame.ttft_ms),
+        "tm": float(frame.total_ms),
+        "fr": frame.finish_reason,
+        "hp": [_hop_obj(h) for h in frame.hops],
+    }
+
+
+def _pong_obj(frame: Pong) -> dict[str, Any]:
+    obj = {"t": "pong", "n": frame.nonce, "q": frame.queue_depth, "a": frame.active}
+    if frame.summary_hash:
+        obj["h"] = frame.summary_hash
+    return obj
+
+
+def _peer_info_obj(p: PeerInfo) -> list[Any]:
+    return [p.peer, list(p.addrs), p.connected, p.up, float(p.rtt_ms), p.queue_depth, p.active,
+            p.n_hashes, float(p.digest_age_s), list(p.sources)]  # fmt: skip
+
+
+def _peers_reply_obj(frame: PeersReply) -> dict[str, Any]:
+    return {
+        "t": "pr",
+        "me": frame.self_peer,
+        "md": frame.model,
+        "ad": list(frame.addrs),
+        "ps": [_peer_info_obj(p) for p in frame.peers],
+        "sx": dict(frame.stats),
+    }
+
+
+#: The encoder of each frame class (``_DECODERS`` below is its decoding counterpart).
+_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    Request: _request_obj,
+    Tokens: lambda f: {"t": "tok", "x": f.text, "ids": _pack_ids(f.token_ids)},
+    Final: _final_obj,
+    End: lambda f: {"t": "end"},
+    Error: lambda f: {"t": "err", "c": f.code, "m": f.message},
+    Ping: lambda f: {"t": "ping", "n": f.nonce},
+    Pong: _pong_obj,
+    PeersQuery: lambda f: {"t": "pq"},
+    PeersReply: _peers_reply_obj,
+}
+
+
 def _to_obj(frame: Frame) -> dict[str, Any]:
-    if isinstance(frame, Request):
-        s = frame.sampling
-        obj = {
-            "t": "req",
-            "id": frame.id,
-            "ns": frame.ns,
-            "cr": frame.credential,
-            "msg": [[m.role, m.content] for m in frame.messages],
-            "tok": _pack_ids(frame.tokens),
-            "s": [s.max_tokens, float(s.temperature), float(s.top_p), s.seed],
-            "dl": float(frame.deadline),
-            "hb": frame.hop_budget,
-            "v": list(frame.visited),
-            "tr": [_hop_obj(h) for h in frame.trace],
-            "st": frame.stream,
-        }
-        if frame.holders:  # omitted when empty: full-replication requests are unchanged
-            obj["ho"] = [[p, b] for p, b in frame.holders]
-        return obj
-    if isinstance(frame, Tokens):
-        return {"t": "tok", "x": frame.text, "ids": _pack_ids(frame.token_ids)}
-    if isinstance(frame, Final):
-        return {
-            "t": "fin",
-            "id": frame.id,
-            "en": frame.entry,
-            "sv": frame.serving,
-            "pt": frame.prompt_tokens,
-            "ct": frame.cached_tokens,
-            "gt": frame.completion_tokens,
-            "tt": float(frame.ttft_ms),
-            "tm": float(frame.total_ms),
-            "fr": frame.finish_reason,
-            "hp": [_hop_obj(h) for h in frame.hops],
-        }
-    if isinstance(frame, End):
-        return {"t": "end"}
-    if isinstance(frame, Error):
-        return {"t": "err", "c": frame.code, "m": frame.message}
-    if isinstance(frame, Ping):
-        return {"t": "ping", "n": frame.nonce}
-    if isinstance(frame, Pong):
-        obj = {"t": "pong", "n": frame.nonce, "q": frame.queue_depth, "a": frame.active}
-        if frame.summary_hash:
-            obj["h"] = frame.summary_hash
-        return obj
-    if isinstance(frame, PeersQuery):
-        return {"t": "pq"}
-    if isinstance(frame, PeersReply):
-        return {
-            "t": "pr",
-            "me": frame.self_peer,
-            "md": frame.model,
-            "ad": list(frame.addrs),
-            "ps": [
-                [
-                    p.peer,
-                    list(p.addrs),
-                    p.connected,
-                    p.up,
-                    float(p.rtt_ms),
-                    p.queue_depth,
-                    p.active,
-                    p.n_hashes,
-                    float(p.digest_age_s),
-                    list(p.sources),
-                ]
-                for p in frame.peers
-            ],
-            "sx": dict(frame.stats),
-        }
-    raise TypeError(f"not a frame: {type(frame).__name__}")
+    encoder = _ENCODERS.get(type(frame))
+    if encoder is None:
+        raise TypeError(f"not a frame: {type(frame).__name__}")
+    return encoder(frame)
 
 
 def encode_frame(frame: Frame) -> bytes:
