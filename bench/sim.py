@@ -15,9 +15,9 @@ a real node owns:
 
 Event model (heapq, virtual seconds, one seeded ``random.Random``; no trio, no clock)
     A request enters at one node (``entry``: a seeded uniform pick, by default). The node
-    builds a ``RouteContext`` from what *it* knows: its own radix match, its own queue,
-    and candidates from its peer index (estimated matches from digests, load figures
-    from the last record it saw, RTT = twice the link's mean one-way delay). A forward
+    plans from what *it* knows: its own radix match, its own queue, and its cache view
+    (estimated matches from digests, load figures from the last record it saw, RTT =
+    twice the link's mean one-way delay). A forward
     travels one link delay and the next node decides again, with ``hop_budget`` reduced
     and ``visited`` grown. The serving node queues the request (FIFO, one at a time) and,
     when it starts, re-matches the prompt against its *own* tree: the estimate a router
@@ -50,9 +50,14 @@ Trust (``trust_feedback``, off by default so routing is compared without it)
     ``InferService._observe_final`` does with the FINAL frame; observed at completion,
     the return delay aside). Without it every claim is taken at face value (trust 1).
 
-Proposals (off by default; measured in docs/bench/sim.md, not node features yet)
-    ``inflight_correction``: a router adds its own forwards since a peer's load figure
-    was issued to that figure.
+One planner (``overlay/core/planner.py``)
+    A simulated router decides exactly as the node does: it fills a ``PlanInput`` with
+    what it knows (radix match, own queue, the cache view of its digest state, every
+    other node one link away) and carries out the ``Planner``'s action (serve, forward
+    with the holder list to carry, or look up a partition home first). Only the
+    ``oracle`` baseline bypasses it (exact candidates). The differential test
+    ``tests/test_planner_differential.py`` holds the node's and this caller's inputs
+    equal.
 
 Routing improvements (node features: ``RoutingConfig`` in ``overlay/core/routing.py``)
     Every ``prefixmesh`` node keeps a ``RentLedger`` (ski rental: serve a prefix
@@ -63,7 +68,7 @@ Routing improvements (node features: ``RoutingConfig`` in ``overlay/core/routing
     and ``RoutingConfig(bound_placements=..., load_slack=...)`` switch them off for
     before/after comparisons.
 
-Digest knobs (issue 6, T7; off by default = what the node does today)
+Digest knobs (issue 6, T7; defaults = the node's ``[digest]`` defaults)
     ``bucket_summaries`` (bucket hashes first, then only the differing buckets' entries),
     ``min_record_interval_s`` (batch own
     deltas) and ``compaction_ratio`` (rarer compaction snapshots): see
@@ -90,8 +95,14 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
-from prefixmesh.inference.core.blocks import chain_hashes, derive_namespace_key, namespace_id
+from prefixmesh.inference.core.blocks import (
+    BLOCK_TOKENS,
+    chain_hashes,
+    derive_namespace_key,
+    namespace_id,
+)
 from prefixmesh.inference.core.radix import RadixTree
+from prefixmesh.node.config import DigestSection
 from prefixmesh.overlay.core import antientropy as _ae_mod
 from prefixmesh.overlay.core import digest as _digest_mod
 from prefixmesh.overlay.core.digest import LoadFigures
@@ -109,9 +120,17 @@ from prefixmesh.overlay.core.partition import (
     encode_lookup,
     encode_lookup_answer,
     encode_push,
-    lookup_pays,
 )
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
+from prefixmesh.overlay.core.planner import (
+    Forward,
+    FullView,
+    LookUp,
+    PartitionedView,
+    PeerLink,
+    PlanInput,
+    Planner,
+)
 from prefixmesh.overlay.core.routing import (
     FORWARD,
     Candidate,
@@ -138,7 +157,11 @@ __all__ = [
 BYTES_PER_TOKEN = 23_052  # SmolLM2-135M KV state per token (dependency-facts.md)
 MODEL_FP = b"smollm2-135m-instruct-q4_1"
 _PICK_ONE = frozenset({"round-robin", "random", "consistent-hash", "local"})
-_USES_INDEX = frozenset({"prefixmesh", "paper"})
+_EXACT_POOL = _PICK_ONE - {"local"}  # baselines that pick from every node, known or not
+
+# The node's digest defaults ([digest] in node/config.py): the simulator overrides only
+# what an experiment varies.
+_NODE_DIGEST = DigestSection()
 
 _EV_ARRIVE, _EV_DONE, _EV_GOSSIP, _EV_MSG, _EV_PART = range(5)
 _PUSH, _ACK, _LOOKUP, _ANSWER = range(4)
@@ -166,14 +189,14 @@ class SimConfig:
     refresh_interval_s: float = 20.0
     # digest-rate knobs (AntiEntropy): at most one own delta per this many seconds (0:
     # every gossip tick with changes)
-    min_record_interval_s: float = 0.0
-    bucket_summaries: bool = False  # answer a differing summary hash with bucket hashes
-    compaction_ratio: float = 1.0  # own snapshot when the deltas since outweigh it this much
+    min_record_interval_s: float = _NODE_DIGEST.min_record_interval_s
+    # answer a differing summary hash with bucket hashes (the node's [digest] default)
+    bucket_summaries: bool = _NODE_DIGEST.bucket_summaries
+    # own snapshot when the deltas since outweigh it this much (the node's default)
+    compaction_ratio: float = _NODE_DIGEST.compaction_ratio
     warmup_s: float | None = None  # gossip before the first request; None: 3 intervals
     max_hops: int | None = None  # None: 1 for pick-one baselines, 2 otherwise
-    shed_candidates: int = 2  # random extra peers offered to prefixmesh (load shedding)
     trust_feedback: bool = False  # routers keep the node's TrustTracker (module docstring)
-    inflight_correction: bool = False  # add own forwards since a peer's load figure (proposal)
     # Ski rental now lives in routing (RoutingConfig.ski_rental, on by default); None
     # follows `routing`, True/False override it (the sweeps compare both).
     ski_rental: bool | None = None
@@ -270,10 +293,64 @@ def _stats(values: list[float]) -> dict[str, float]:
 class _Node:
     __slots__ = (
         "idx", "ident", "pid", "ae", "index", "policy", "tree", "queue", "busy", "busy_until",
-        "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "known", "trust",
-        "true_blocks", "bytes_sent", "rr_entry", "current", "fwd_log", "rent", "placements", "memory",
-        "pd", "lookup_bytes",
+        "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "trust",
+        "true_blocks", "bytes_sent", "rr_entry", "current", "rent", "placements", "memory",
+        "pd", "lookup_bytes", "side", "planner", "links", "gossip_round",
     )  # fmt: skip
+
+
+class _FullSide:
+    """Full replication: own cache changes go to the node's AntiEntropy stream; routers
+    read the PeerCacheIndex gossip feeds (``FullView``)."""
+
+    __slots__ = ("ae", "view")
+
+    def __init__(self, node: _Node) -> None:
+        self.ae = node.ae
+        self.view = FullView(node.index, MODEL_FP)
+
+    def add(self, ns: bytes, chain: list[bytes], now: float) -> None:
+        self.ae.local_add_prefix(ns, chain)
+
+    def remove(self, ns: bytes, chain: list[bytes], now: float) -> None:
+        self.ae.local_remove_prefix(ns, chain)
+
+    def set_local_load(self, load: LoadFigures, capacity: int, used: int) -> None:
+        self.ae.set_local_load(load, capacity, used)
+
+
+class _PartitionedSide:
+    """Partial replication: one stream per partition, pushed to its homes; routers read
+    a home's index, a carried holder list or a lookup answer (``PartitionedView``)."""
+
+    __slots__ = ("pd", "view")
+
+    def __init__(self, pd: PartitionedDigest, members) -> None:
+        self.pd = pd
+        self.view = PartitionedView(pd, members)
+
+    def add(self, ns: bytes, chain: list[bytes], now: float) -> None:
+        self.pd.local_add_prefix(ns, chain, now)
+
+    def remove(self, ns: bytes, chain: list[bytes], now: float) -> None:
+        self.pd.local_remove_prefix(ns, chain, now)
+
+    def set_local_load(self, load: LoadFigures, capacity: int, used: int) -> None:
+        self.pd.set_local_load(load, capacity, used)
+
+
+class _TrustOf:
+    """``Mapping.get`` over a router's TrustTracker at one instant (read lazily: the
+    planner asks only for its candidates)."""
+
+    __slots__ = ("tracker", "now")
+
+    def __init__(self, tracker: TrustTracker, now: float) -> None:
+        self.tracker = tracker
+        self.now = now
+
+    def get(self, peer: bytes, default: float = 1.0) -> float:
+        return self.tracker.trust(peer, self.now)
 
 
 class _Req:
@@ -281,7 +358,7 @@ class _Req:
 
     __slots__ = (
         "req", "entry", "node", "hops", "visited", "back_s", "est_tokens", "est_from",
-        "enqueued_at", "svc_est", "answer", "looked_up", "claims", "reused",
+        "enqueued_at", "svc_est", "answer", "carried", "looked_up", "claims", "reused",
     )  # fmt: skip
 
     def __init__(self, req: Request, entry: int) -> None:
@@ -295,7 +372,8 @@ class _Req:
         self.est_from = -1
         self.enqueued_at = 0.0
         self.svc_est = 0.0
-        self.answer = None  # holder -> blocks to decide with (partitioned digests)
+        self.answer = None  # a lookup answer (holder -> blocks) to decide with
+        self.carried = None  # the holder list the request carries (partitioned digests)
         self.looked_up = False
         self.claims: list[tuple[int, bytes, int]] = []  # (router, next hop, its claim)
         self.reused = 0  # tokens the serving node reused (the FINAL frame's cached_tokens)
@@ -351,6 +429,9 @@ class Simulator:
         for i in range(config.nodes):
             self.nodes.append(self._make_node(i, i in liars))
         self.all_pids = tuple(n.pid for n in self.nodes)
+        link = PeerLink(rtt_s=self.rtt_s)
+        for n in self.nodes:
+            n.links = {p: link for p in self.all_pids if p != n.pid}
         self.entry_counter = 0
         # metrics
         self.m_ttft: list[float] = []
@@ -384,6 +465,8 @@ class Simulator:
         n.index = PeerCacheIndex()
         n.pd = None
         n.lookup_bytes = 0
+        n.side = _FullSide(n)
+        n.gossip_round = functools.partial(self._gossip_full, n)
         if cfg.partitions:
             ident = n.ident
 
@@ -400,6 +483,8 @@ class Simulator:
                 config=PartitionConfig(n_partitions=cfg.partitions, replicas=cfg.replicas,
                                        lookup_ttl_s=cfg.lookup_ttl_s),
             )  # fmt: skip
+            n.side = _PartitionedSide(n.pd, lambda: self.all_pids)
+            n.gossip_round = functools.partial(self._gossip_partitioned, n)
         n.policy = make_policy(
             cfg.policy, self.routing, random.Random(self.rng.getrandbits(64)), n.pid
         )
@@ -414,13 +499,14 @@ class Simulator:
         n.svc_mean = 1.0
         n.liar = liar
         n.lies = deque()
-        n.known = []
         n.trust = TrustTracker() if self.cfg.trust_feedback else None
         n.bytes_sent = 0
         n.rr_entry = 0
         n.current = None
-        n.fwd_log = {}
         n.memory = RouterMemory.for_policy(n.policy, n.pid)
+        # one shed-candidate stream for all routers (independent of entries and gossip)
+        n.planner = Planner(n.pid, n.policy, n.side.view, n.memory, rng=self.rng_route)
+        n.links = {}  # filled once every node exists: every other node, one link delay away
         n.rent = n.memory.rent  # the ledgers, for reports and tests
         n.placements = n.memory.placements
         self.by_pid[n.pid] = i
@@ -457,16 +543,10 @@ class Simulator:
                     del tb[h]
 
     def _advertise(self, node: _Node, chain: list[bytes]) -> None:
-        if node.pd is not None:
-            node.pd.local_add_prefix(self.ns, chain, self.now)
-        else:
-            node.ae.local_add_prefix(self.ns, chain)
+        node.side.add(self.ns, chain, self.now)
 
     def _unadvertise(self, node: _Node, chain: list[bytes]) -> None:
-        if node.pd is not None:
-            node.pd.local_remove_prefix(self.ns, chain, self.now)
-        else:
-            node.ae.local_remove_prefix(self.ns, chain)
+        node.side.remove(self.ns, chain, self.now)
 
     def _true_match_tokens(self, node: _Node, chain: list[bytes]) -> int:
         tb = node.true_blocks
@@ -475,7 +555,7 @@ class Simulator:
             if h not in tb:
                 break
             k += 1
-        return k * 16
+        return k * BLOCK_TOKENS
 
     # -- run ---------------------------------------------------------------------------
 
@@ -535,97 +615,102 @@ class Simulator:
         return max(0.0, node.busy_until - self.now) + node.queued_work
 
     def _arrive(self, sr: _Req) -> None:
+        """A request reaches ``sr.node``: plan (overlay/core/planner.py, as the node does)
+        and carry the plan out."""
         node = self.nodes[sr.node]
         req = sr.req
         tokens = req.tokens
-        n_tok = len(tokens)
         chain = self._chain(req)
-        cfg = self.cfg
-        policy_name = cfg.policy
-        local_matched = min(node.tree.match(tokens).length, n_tok)
-        local_wait = self._queue_wait(node)
-        local_load = float(len(node.queue) + (1 if node.busy else 0))
-        candidates: list[Candidate] = []
-        hop_budget = self.max_hops - sr.hops
-        if hop_budget > 0 and cfg.nodes > 1:
-            if policy_name in _USES_INDEX and node.pd is not None:
-                matches = self._partition_matches(node, sr, chain, n_tok - local_matched)
-                if matches is None:
-                    return  # a lookup is on its way; _arrive runs again with the answer
-                candidates = self._candidates_from(node, matches, sr.visited)
-            elif policy_name in _USES_INDEX:
-                matches = node.index.longest_matches(self.ns, chain) if chain else {}
-                candidates = self._candidates_from(node, matches, sr.visited)
-            elif policy_name == "oracle":
-                candidates = self._oracle_candidates(node, chain)
-        _, decision = node.memory.decide(
-            node.policy,
-            now=self.now,
-            chain=chain,
-            prompt_tokens=n_tok,
-            local_matched_tokens=local_matched,
-            local_prefill_tps=cfg.prefill_tps,
-            local_queue_wait_s=local_wait,
-            local_load=local_load,
-            candidates=candidates,
-            hop_budget=hop_budget,
-            visited=sr.visited,
-            all_peers=self.all_pids if policy_name in _PICK_ONE else (),
-            n_nodes=len(node.known) + 1 if node.pd is None else cfg.nodes,
-            forwarded_in=sr.hops > 0,
-        )
-        if decision.action == FORWARD and decision.peer is not None:
-            target = self.by_pid[decision.peer]
-            est = next((c.matched_tokens for c in candidates if c.peer == decision.peer), 0)
-            sr.est_tokens = est
-            sr.est_from = node.idx
-            if node.trust is not None:
-                sr.claims.append((node.idx, decision.peer, est))
-            if cfg.inflight_correction:
-                node.fwd_log.setdefault(decision.peer, deque()).append(self.now)
-            sr.visited = sr.visited | {node.pid}
-            sr.hops += 1
-            d = self.link_delay()
-            sr.back_s += d
-            sr.node = target
-            self._push(self.now + d, _EV_ARRIVE, sr)
+        local_matched = min(node.tree.match(tokens).length, len(tokens))
+        if self.cfg.policy == "oracle":
+            self._oracle_arrive(node, sr, chain, local_matched)
+            return
+        plan = node.planner.plan(self._plan_input(node, sr, chain, local_matched), self.now)
+        if "partition_lookups_skipped" in plan.counters:
+            self.m_lookups_skipped += 1
+        if isinstance(plan, LookUp):
+            self._look_up(node, sr, chain, plan.homes[0])
+            return
+        sr.answer = None
+        if isinstance(plan, Forward):
+            if plan.carry is not None:
+                # rides on the forwarded request: the next hop decides with it too
+                sr.carried = dict(plan.carry)
+            est = next((c.matched_tokens for c in plan.ctx.candidates if c.peer == plan.peer), 0)
+            self._forward(node, sr, plan.peer, est)
             return
         self._enqueue(node, sr, local_matched)
 
-    def _partition_matches(
-        self, node: _Node, sr: _Req, chain: list[bytes], unmatched: int
-    ) -> dict | None:
-        """Holder -> matched blocks for a partitioned router: what its digest state knows
-        (``PartitionedDigest.known_matches``: its own index when it is a home of the
-        chain's partition, else a cached answer), a holder list carried by the request
-        from the previous hop, or a fresh lookup (None: a lookup was sent). Only the entry
-        node looks up; a forwarded request is decided with what the node knows."""
-        if not chain:
-            return {}
-        pd = node.pd
-        known, homes = pd.known_matches(self.ns, chain, self.all_pids, self.now,
-                                        carried=sr.answer)
-        if node.pid in homes:
-            return known
-        if known is None:
-            if sr.hops or sr.looked_up:
-                return {}
-            if not lookup_pays(unmatched, self.cfg.prefill_tps, self.rtt_s):
-                self.m_lookups_skipped += 1
-                return {}
-            sr.looked_up = True
-            home = self.nodes[self.by_pid[homes[0]]]
-            p = pd.partition(self.ns, chain)
-            data = encode_lookup(p, self.ns, chain)
-            node.lookup_bytes += len(data)
-            self.m_lookups += 1
-            self._push(self.now + self.link_delay(), _EV_PART, (_LOOKUP, node, home, sr),
-                       (data, (p, self.ns, chain)))  # fmt: skip
-            return None
-        # Kept on the request: a forward carries the holder list on to the next hop (it
-        # would ride in the forwarded request), which then decides with it too.
-        sr.answer = known
-        return known
+    def _plan_input(self, node: _Node, sr: _Req, chain: list[bytes], local_matched: int
+                    ) -> PlanInput:
+        """What a simulated node knows at decision time (what InferService gathers from its
+        engine, heartbeat and trust tracker). Every other node is up, one link away; the
+        pick-one baselines draw from every node (the planner does not look up for them)."""
+        cfg = self.cfg
+        return PlanInput(
+            ns=self.ns,
+            chain=chain,
+            prompt_tokens=len(sr.req.tokens),
+            local_matched_tokens=local_matched,
+            local_prefill_tps=cfg.prefill_tps,
+            local_queue_wait_s=self._queue_wait(node),
+            local_load=float(len(node.queue) + (1 if node.busy else 0)),
+            avg_request_s=node.svc_mean,
+            hop_budget=self.max_hops - sr.hops,
+            visited=sr.visited,
+            forwarded_in=sr.hops > 0,
+            peers=node.links,
+            carried=sr.carried,
+            answer=sr.answer,
+            may_look_up=sr.hops == 0 and not sr.looked_up,
+            trust=_TrustOf(node.trust, self.now) if node.trust is not None else {},
+            all_peers=self.all_pids if cfg.policy in _EXACT_POOL else None,
+        )
+
+    def _forward(self, node: _Node, sr: _Req, peer: bytes, est: int) -> None:
+        sr.est_tokens = est
+        sr.est_from = node.idx
+        if node.trust is not None:
+            sr.claims.append((node.idx, peer, est))
+        sr.visited = sr.visited | {node.pid}
+        sr.hops += 1
+        d = self.link_delay()
+        sr.back_s += d
+        sr.node = self.by_pid[peer]
+        self._push(self.now + d, _EV_ARRIVE, sr)
+
+    def _look_up(self, node: _Node, sr: _Req, chain: list[bytes], home_pid: bytes) -> None:
+        """Send the planner's lookup to the first home (simulated homes always answer);
+        the answer re-plans the request (``_partition_message``)."""
+        sr.looked_up = True
+        home = self.nodes[self.by_pid[home_pid]]
+        p = node.pd.partition(self.ns, chain)
+        data = encode_lookup(p, self.ns, chain)
+        node.lookup_bytes += len(data)
+        self.m_lookups += 1
+        self._push(self.now + self.link_delay(), _EV_PART, (_LOOKUP, node, home, sr),
+                   (data, (p, self.ns, chain)))  # fmt: skip
+
+    def _oracle_arrive(self, node: _Node, sr: _Req, chain: list[bytes], local_matched: int
+                       ) -> None:
+        """The oracle baseline decides with exact candidates, no cache view (bench only)."""
+        cfg = self.cfg
+        hop_budget = self.max_hops - sr.hops
+        candidates = (self._oracle_candidates(node, chain)
+                      if hop_budget > 0 and cfg.nodes > 1 else [])  # fmt: skip
+        _, decision = node.memory.decide(
+            node.policy, now=self.now, chain=chain, prompt_tokens=len(sr.req.tokens),
+            local_matched_tokens=local_matched, local_prefill_tps=cfg.prefill_tps,
+            local_queue_wait_s=self._queue_wait(node),
+            local_load=float(len(node.queue) + (1 if node.busy else 0)),
+            candidates=candidates, hop_budget=hop_budget, visited=sr.visited,
+            forwarded_in=sr.hops > 0,
+        )  # fmt: skip
+        if decision.action == FORWARD and decision.peer is not None:
+            est = next((c.matched_tokens for c in candidates if c.peer == decision.peer), 0)
+            self._forward(node, sr, decision.peer, est)
+            return
+        self._enqueue(node, sr, local_matched)
 
     def _partition_message(self, head: tuple, body: tuple) -> None:
         kind, src, dst, extra = head
@@ -659,63 +744,6 @@ class Simulator:
             dst.pd.take_answer(self.ns, self._chain(sr.req), holders, self.now)
             sr.answer = {h.peer: h.blocks for h in holders}
             self._arrive(sr)
-
-    def _candidates_from(
-        self, node: _Node, matches: dict, visited: frozenset[bytes]
-    ) -> list[Candidate]:
-        """Candidates for the holders in ``matches`` (peer -> blocks), plus up to
-        ``shed_candidates`` random known peers (matched 0) to shed load to."""
-        cands: list[Candidate] = []
-        seen = set()
-        for peer, blocks in matches.items():
-            if peer in visited or peer == node.pid or peer not in self.by_pid:
-                continue
-            c = self._estimate_candidate(node, peer, blocks * 16)
-            if c is not None:
-                cands.append(c)
-                seen.add(peer)
-        k = self.cfg.shed_candidates
-        if k and node.known and self.cfg.policy == "prefixmesh":
-            for peer in self.rng_route.sample(node.known, min(k, len(node.known))):
-                if peer in seen or peer in visited or peer == node.pid:
-                    continue
-                c = self._estimate_candidate(node, peer, 0)
-                if c is not None:
-                    cands.append(c)
-                    seen.add(peer)
-        return cands
-
-    def _estimate_candidate(self, node: _Node, peer: bytes, matched: int) -> Candidate | None:
-        if node.pd is not None:
-            known = node.pd.load_of(peer)
-            if known is None:
-                return None
-            figures, expires_at = known
-        else:
-            est = node.index.estimate(peer)
-            if est is None:
-                return None
-            figures, expires_at = est.load, est.expires_at
-        load = float(figures.queue_depth + figures.active)
-        if self.cfg.inflight_correction:
-            # Requests this node forwarded to the peer after the peer issued the load
-            # figure it advertised are not in that figure yet: count them on top.
-            log = node.fwd_log.get(peer)
-            if log:
-                ttl = self.cfg.digest_ttl_s if node.pd is None else self.cfg.partition_ttl_s
-                issued = expires_at - ttl
-                while log and log[0] <= issued:
-                    log.popleft()
-                load += len(log)
-        return Candidate(
-            peer=peer,
-            matched_tokens=matched,
-            prefill_tps=figures.prefill_tps,
-            queue_wait_s=load * node.svc_mean,
-            load=load,
-            rtt_s=self.rtt_s,
-            trust=1.0 if node.trust is None else node.trust.trust(peer, self.now),
-        )
 
     def _oracle_candidates(self, node: _Node, chain: list[bytes]) -> list[Candidate]:
         cands = []
@@ -826,10 +854,9 @@ class Simulator:
 
     def _gossip(self, node: _Node) -> None:
         cfg = self.cfg
-        now = self.now
         if node.liar:
             self._lie(node)
-        (node.pd if node.pd is not None else node.ae).set_local_load(
+        node.side.set_local_load(
             LoadFigures(
                 queue_depth=len(node.queue),
                 active=1 if node.busy else 0,
@@ -839,14 +866,15 @@ class Simulator:
             cfg.kv_capacity_bytes,
             node.tree.used_bytes,
         )
-        if node.pd is not None:
-            self._gossip_partitioned(node)
-            return
+        node.gossip_round()
+
+    def _gossip_full(self, node: _Node) -> None:
+        cfg = self.cfg
+        now = self.now
         node.ae.tick(now)
         for origin in node.ae.expire(now):
             node.index.drop_peer(origin)
         node.index.expire(now)
-        node.known = [p for p in node.index.peers() if p != node.pid]
         n = cfg.nodes
         k = min(cfg.gossip_fanout, n - 1)
         for j in self.rng_gossip.sample(range(n - 1), k):
@@ -859,7 +887,6 @@ class Simulator:
         now = self.now
         pd = node.pd
         pd.tick(now)
-        node.known = [p for p in pd.known_peers() if p != node.pid]
         for push in pd.pushes(now, self.all_pids, cfg.gossip_budget_bytes):
             data = encode_push(push.partition, push.records)
             node.bytes_sent += len(data)
@@ -1221,8 +1248,10 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compaction-ratio", type=float, default=d.compaction_ratio,
                    help="issue an own snapshot when the deltas since the last outweigh it "
                         "this many times")
-    p.add_argument("--bucket-summaries", action="store_true",
-                   help="compare bucket hashes first, then only the differing buckets' entries")
+    p.add_argument("--bucket-summaries", action=argparse.BooleanOptionalAction,
+                   default=d.bucket_summaries,
+                   help="compare bucket hashes first, then only the differing buckets' entries "
+                        "(the node's default: on)")
     p.add_argument("--partitions", type=int, default=d.partitions,
                    help="partial replication: P digest partitions by chain root, each kept at "
                         "--replicas home nodes (0: full replication, the node's behaviour)")
@@ -1243,8 +1272,6 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-slack", type=float, default=RoutingConfig().load_slack,
                    help="requests above the mean load a candidate may carry regardless of the "
                         "bound")
-    p.add_argument("--inflight-correction", action="store_true",
-                   help="add a router's own recent forwards to a peer's advertised load")
     p.add_argument("--entry", default=d.entry, choices=["random", "round-robin", "first"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -1273,7 +1300,6 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         partition_ttl_s=min(3600.0, 3 * ns.partition_refresh),
         liar_fraction=ns.liars,
         trust_feedback=ns.trust_feedback,
-        inflight_correction=ns.inflight_correction,
         ski_rental=ns.ski_rental,
         entry=ns.entry,
         seed=ns.seed,

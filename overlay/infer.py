@@ -59,12 +59,20 @@ from prefixmesh.inference.backend import (
 from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 
 from .core import wire
-from .core.digest import LoadFigures
 from .core.identity import peer_id_to_b58
 from .core.limits import ForwardShareLimiter, PeerRateLimiter, SubnetLimiter
-from .core.partition import lookup_pays
 from .core.peerindex import PeerCacheIndex
-from .core.routing import Candidate, Policy, RouteContext, RouterMemory, candidate_cost_s
+from .core.planner import (
+    FullView,
+    LookUp,
+    PartitionedView,
+    PeerLink,
+    Plan,
+    PlanInput,
+    Planner,
+    Reject,
+)
+from .core.routing import Candidate, Policy, RouteContext, candidate_cost_s
 from .core.trust import MISMATCH, SpotChecker, TrustTracker
 from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
@@ -205,12 +213,15 @@ class InferService:
         self.policy = policy
         self.settings = settings or InferSettings()
         self.clock = clock
-        # ski-rental rent per prefix and smoothed placements (overlay/core/routing.py), the
-        # same RouterMemory the simulator drives; only the prefixmesh policy uses them
-        self.memory = RouterMemory.for_policy(policy, self.me)
+        # the one planner the simulator drives too (overlay/core/planner.py): it keeps the
+        # ski-rental rent and smoothed placements (RouterMemory) and reads the cache view
+        self._rng = random.Random(int.from_bytes(os.urandom(8), "big"))
+        self.planner = Planner(self.me, policy, FullView(index, backend.model_fingerprint),
+                               rng=self._rng)
+        self.memory = self.planner.memory
         s = self.settings
         self._request_limiter = PeerRateLimiter(s.peer_request_rate, s.peer_request_burst)
-        self._subnets = (
+        self._subnets = (  # Sybil basics: candidates per subnet (0: off)
             SubnetLimiter(max_per_subnet=s.max_peers_per_subnet)
             if s.max_peers_per_subnet > 0
             else None
@@ -225,7 +236,8 @@ class InferService:
         # jobs queue for :meth:`run_spot_checks`, which the daemon runs in its nursery
         self.spot_checker = spot_checker
         # partial replication ([digest].partitions > 0; the daemon sets it once its
-        # PartitionGossip exists): candidates come from partition homes, not self.index
+        # PartitionGossip exists): the planner's view becomes the partitioned one
+        self._partition: PartitionGossip | None = None
         self.partition = partition
         self._spot_send: trio.MemorySendChannel | None = None
         self.spot_log: list[dict] = []  # the last verdicts' evidence (bounded, newest last)
@@ -236,7 +248,6 @@ class InferService:
         self._not_serving: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
         self._open_streams = 0
         self._streams_by_peer: dict[bytes, int] = {}
-        self._rng = random.Random(int.from_bytes(os.urandom(8), "big"))
         self.stats = {
             "requests": 0,
             "served_local": 0,
@@ -254,6 +265,17 @@ class InferService:
             "subnet_limited": 0,
             "duplicates": 0,
         }
+
+    @property
+    def partition(self) -> PartitionGossip | None:
+        return self._partition
+
+    @partition.setter
+    def partition(self, pg: PartitionGossip | None) -> None:
+        """Switch the cache view: partition homes + carried holders + lookup cache."""
+        self._partition = pg
+        if pg is not None:
+            self.planner.view = PartitionedView(pg.pd, pg.members)
 
     # --- stream handler --------------------------------------------------------------
 
@@ -298,7 +320,7 @@ class InferService:
         if not isinstance(frame, wire.Request):
             await self._refuse(fs, "bad_request", "expected a REQUEST frame")
             return
-        now_m = time.monotonic()
+        now_m = self.clock()
         if not self._request_limiter.allow(peer, now_m):
             self.stats["rate_limited"] += 1
             wait = self._request_limiter.retry_after_s(peer, now_m)
@@ -436,125 +458,31 @@ class InferService:
                 return
         req = replace(req, tokens=tuple(tokens), messages=())
 
-        decision, hop_base, ctx, carried = await self._decide(req, tenant)
-        if carried is not None:  # the holder list the next hop decides with (partitioned)
-            req = replace(req, holders=carried)
-        targets: list[bytes] = []
-        if decision.action == "forward" and decision.peer is not None:
-            targets = [decision.peer, *decision.fallbacks]
-        if tenant.may_serve(self.me):
-            targets.append(_LOCAL)
-        elif req.hop_budget > 0:
-            # this node may not serve the namespace (allowed_peers): pass it on to the
-            # candidates that may, longest estimated match first
-            ranked = sorted(ctx.candidates, key=lambda c: (-c.matched_tokens, c.load, c.peer))
-            targets += [c.peer for c in ranked if c.peer not in targets][: 4]
-        claims = {c.peer: c for c in ctx.candidates}
-        await self._run_targets(req, relay, t_recv, targets, decision, hop_base, claims, ctx)
+        plan, hop_base = await self._plan(req, tenant)
+        if isinstance(plan, Reject):
+            await self._finish_error(relay, plan.code, plan.reason)
+            return
+        if plan.carry is not None:  # the holder list the next hop decides with (partitioned)
+            req = replace(req, holders=plan.carry)
+        claims = {c.peer: c for c in plan.ctx.candidates}
+        await self._run_targets(req, relay, t_recv, list(plan.targets), plan.decision, hop_base,
+                                claims, plan.ctx)
 
-    async def _decide(self, req: wire.Request, tenant):
-        t0 = time.perf_counter()
+    async def _plan(self, req: wire.Request, tenant) -> tuple[Plan, wire.Hop | None]:
+        """Ask the planner (overlay/core/planner.py) what to do, carrying out its lookups;
+        returns the final plan and the hop record this node adds to the trace."""
+        t0 = self.clock()
         chain = chain_hashes(tenant.namespace_key, req.tokens, BLOCK_TOKENS)
         local_matched = await self.backend.match_length(req.ns, req.tokens)
-        load = self.backend.load_figures()
-        avg_s = max(load.avg_request_s, 0.01)
-        local_wait = (load.queue_depth + load.active) * avg_s
-        visited = frozenset(req.visited) | {self.me}
-        model = self.backend.model_fingerprint
-        candidates: list[Candidate] = []
-        all_peers: list[bytes] = []
-        part = self.partition
-        carried = None
-        if part is not None:
-            matches, carried = await self._partition_matches(
-                req, chain, part, len(req.tokens) - min(local_matched, len(req.tokens)),
-                load.prefill_tps,
-            )
-        else:
-            matches = self.index.longest_matches(req.ns, chain)
-        for peer in self.heartbeat.up_peers():
-            if part is not None:
-                # partitioned: no full index to vouch for a peer's model; a heartbeat-up
-                # peer passed the Noise handshake, and the serving node re-matches anyway
-                if peer in visited or not tenant.may_serve(peer):
-                    continue
-            else:
-                est = self.index.estimate(peer)
-                if (peer in visited or est is None or est.model != model
-                        or not tenant.may_serve(peer)):
-                    continue
-            if self._is_not_serving(peer, req.ns):
-                continue
-            all_peers.append(peer)
-        eligible = set(all_peers)
-        health = self.heartbeat.health
-
-        def candidate(peer: bytes, matched_blocks: int) -> Candidate:
-            if part is not None:  # freshest figures from a home's index or a lookup answer
-                known = part.pd.load_of(peer)
-                figures = known[0] if known is not None else LoadFigures(0, 0, 0.0, 0.0)
-            else:
-                figures = self.index.estimate(peer).load
-            h = health.get(peer)
-            queue = h.queue_depth if h and h.pongs else figures.queue_depth
-            active = h.active if h and h.pongs else figures.active
-            rtt = h.rtt_s if h and h.rtt_s is not None else 0.005
-            trust = self.trust.trust(peer, time.monotonic()) if self.trust is not None else 1.0
-            return Candidate(
-                peer=peer,
-                matched_tokens=min(matched_blocks * BLOCK_TOKENS, len(req.tokens)),
-                prefill_tps=max(figures.prefill_tps, 0.0),
-                queue_wait_s=(queue + active) * avg_s,
-                load=float(queue + active),
-                rtt_s=rtt,
-                trust=min(1.0, max(0.0, trust)),
-            )
-
-        if self.share_limiter is not None:
-            eligible = set(self.share_limiter.filter(sorted(eligible), time.monotonic(),
-                                                     key=lambda p: p))
-        for peer, blocks in sorted(matches.items()):
-            if peer in eligible:
-                candidates.append(candidate(peer, blocks))
-        # a few unmatched, lightly loaded peers let the policy shed load
-        unmatched = [p for p in sorted(eligible) if p not in matches]
-        unmatched.sort(
-            key=lambda p: (health[p].queue_depth + health[p].active) if p in health else 0
-        )
-        for peer in unmatched[: self.settings.max_shed_candidates]:
-            candidates.append(candidate(peer, 0))
-        if self._subnets is not None and candidates:
-            # Sybil basics: many identities behind one subnet count as few candidates;
-            # the most trusted, longest claims of each subnet are kept
-            ranked = sorted(candidates, key=lambda c: (-c.trust, -c.matched_tokens, c.peer))
-            kept = self._subnets.select((c, self.host.remote_addrs(c.peer)) for c in ranked)
-            if len(kept) < len(candidates):
-                self.stats["subnet_limited"] += len(candidates) - len(kept)
-                keep = {c.peer for c in kept}
-                candidates = [c for c in candidates if c.peer in keep]
-        local_tps = load.prefill_tps
-        if not load.prefill_measured:
-            # not measured here yet: a default would make the comparison with peers'
-            # measured rates unfair either way; same model, so use theirs (median)
-            rates = sorted(c.prefill_tps for c in candidates if c.prefill_tps > 0)
-            if rates:
-                local_tps = rates[len(rates) // 2]
-        ctx, decision = self.memory.decide(
-            self.policy,
-            now=time.monotonic(),
-            chain=chain,
-            prompt_tokens=len(req.tokens),
-            local_matched_tokens=min(local_matched, len(req.tokens)),
-            local_prefill_tps=max(local_tps, 1.0),
-            local_queue_wait_s=local_wait,
-            local_load=float(load.queue_depth + load.active),
-            candidates=candidates,
-            hop_budget=req.hop_budget,
-            visited=visited,
-            all_peers=tuple(sorted(all_peers)),
-            n_nodes=len(all_peers) + 1,
-            forwarded_in=bool(req.trace),
-        )
+        inp = self._plan_input(req, tenant, chain, local_matched, self.backend.load_figures())
+        plan = self._planned(inp)
+        if isinstance(plan, LookUp):
+            inp = replace(inp, answer=await self._look_up(plan.homes, req.ns, chain),
+                          may_look_up=False)
+            plan = self._planned(inp)
+        if isinstance(plan, Reject):
+            return plan, None
+        decision, ctx = plan.decision, plan.ctx
         hop_base = wire.Hop(
             peer=self.me,
             action="serve",
@@ -562,56 +490,74 @@ class InferService:
             local_matched_tokens=ctx.local_matched_tokens,
             est_local_s=_finite(decision.est_local_s),
             est_peer_s=_finite(decision.est_peer_s),
-            decide_ms=(time.perf_counter() - t0) * 1000.0,
+            decide_ms=(self.clock() - t0) * 1000.0,
         )
-        return decision, hop_base, ctx, carried
+        return plan, hop_base
 
-    async def _partition_matches(
-        self, req: wire.Request, chain: list[bytes], part: PartitionGossip, unmatched: int,
-        prefill_tps: float,
-    ) -> tuple[dict[bytes, int], tuple[tuple[bytes, int], ...] | None]:
-        """Holder -> matched blocks under partial replication, and the holder list to carry
-        on to the next hop (None: leave the request's as it is).
+    def _planned(self, inp: PlanInput) -> Plan:
+        plan = self.planner.plan(inp, self.clock())
+        for name in plan.counters:
+            self._count(name)
+        return plan
 
-        Where it comes from (``PartitionedDigest.known_matches``, which the simulator's
-        ``_partition_matches`` calls too): our own partition index if we are a home; else
-        the list the previous hop carried (``Request.holders``), else a cached answer, else
-        (entry node only, when a lookup can pay at all) a lookup to the first live home,
-        then the second. A router that is not a home carries what it decided with on to
-        the next hop, which then needs no lookup of its own to forward further. Any
-        failure means no candidates: the request is decided as if no peer held it."""
-        if not chain:
-            return {}, None
-        known, homes = part.pd.known_matches(req.ns, chain, part.members(), self.clock(),
-                                             carried=dict(req.holders) if req.holders else None)
-        if self.me in homes:
-            self._count("partition_home_decisions")
-            return known, None
-        if known is not None:
-            self._count("partition_carried_decisions" if req.holders
-                        else "partition_lookup_cache_hits")
-            return known, _carry(known)
-        if req.trace:  # forwarded in: the entry node already looked (as the simulator)
-            return {}, None
-        live = [h for h in homes if self.heartbeat.is_up(h)]
-        if not live:
-            self._count("partition_no_live_home")
-            return {}, None
-        rtt = self.heartbeat.rtt_s(live[0])
-        # what a hit elsewhere could save at most: prefilling what we do not hold
-        if not lookup_pays(unmatched, prefill_tps, rtt if rtt is not None else 0.005):
-            self._count("partition_lookups_skipped")
-            return {}, None
-        # the first live home, then (if it fails or times out) the second: a home that is
-        # up by the heartbeat can still be wedged or just restarted without records
-        for home in live[:2]:
+    def _plan_input(self, req: wire.Request, tenant, chain: list[bytes], local_matched: int,
+                    load) -> PlanInput:
+        """What this node knows at decision time, as values (the simulator fills the same
+        ``PlanInput`` from its model; tests/test_planner_differential.py holds them equal)."""
+        now = self.clock()
+        visited = frozenset(req.visited) | {self.me}
+        health = self.heartbeat.health
+        peers: dict[bytes, PeerLink] = {}
+        for peer in self.heartbeat.up_peers():
+            if peer in visited or not tenant.may_serve(peer) or self._is_not_serving(peer, req.ns):
+                continue
+            h = health.get(peer)
+            peers[peer] = PeerLink(
+                rtt_s=h.rtt_s if h is not None else None,
+                # a PONG's figures are fresher than the digest's
+                load=float(h.queue_depth + h.active) if h is not None and h.pongs else None,
+                addrs=tuple(self.host.remote_addrs(peer)) if self._subnets is not None else (),
+            )
+        if self.share_limiter is not None:
+            kept = set(self.share_limiter.filter(sorted(peers), now, key=lambda p: p))
+            peers = {p: link for p, link in peers.items() if p in kept}
+        trust = ({p: self.trust.trust(p, now) for p in peers} if self.trust is not None
+                 else {})  # fmt: skip
+        avg_s = max(load.avg_request_s, 0.01)
+        return PlanInput(
+            ns=req.ns,
+            chain=tuple(chain),
+            prompt_tokens=len(req.tokens),
+            local_matched_tokens=min(local_matched, len(req.tokens)),
+            local_prefill_tps=load.prefill_tps,
+            local_prefill_measured=load.prefill_measured,
+            local_queue_wait_s=(load.queue_depth + load.active) * avg_s,
+            local_load=float(load.queue_depth + load.active),
+            avg_request_s=avg_s,
+            hop_budget=req.hop_budget,
+            visited=visited,
+            forwarded_in=bool(req.trace),
+            peers=peers,
+            may_serve_here=tenant.may_serve(self.me),
+            carried=dict(req.holders) if req.holders else None,
+            may_look_up=not req.trace,  # forwarded in: the entry node already looked
+            trust=trust,
+            subnets=self._subnets,
+            context_tokens=_context_tokens(self.backend),
+        )
+
+    async def _look_up(self, homes: tuple[bytes, ...], ns: bytes, chain: list[bytes]
+                       ) -> dict[bytes, int] | None:
+        """Ask the planner's homes in turn; the first answer, or None when all failed (the
+        request is then decided as if no peer held the prefix)."""
+        assert self._partition is not None  # the planner asks only a partitioned view
+        for home in homes:
             self._count("partition_lookups")
-            answer = await part.lookup(home, req.ns, chain, self.settings.lookup_timeout_s)
+            answer = await self._partition.lookup(home, ns, chain, self.settings.lookup_timeout_s)
             if answer is not None:
-                known = {h.peer: h.blocks for h in answer}
-                return known, _carry(known)
+                return {h.peer: h.blocks for h in answer}
             self._count("partition_lookups_failed")
-        return {}, None
+        return None
 
     def _count(self, key: str) -> None:
         """A counter that exists only once it is used (partitioned mode's counters must
@@ -626,15 +572,8 @@ class InferService:
         or under partial replication from the partitions it homes and the holder list the
         previous hop carried (``Request.holders``)."""
         visited = set(req.visited) | {self.me}
-        known = {p for p, _ in req.holders}
-        part = self.partition
-        if part is not None:
-            known |= part.pd.namespace_holders(req.ns)
-        holders = [
-            p
-            for p in self.heartbeat.up_peers()
-            if p not in visited and (p in known or self.index.holds_namespace(p, req.ns))
-        ]
+        known = {p for p, _ in req.holders} | self.planner.view.namespace_holders(req.ns)
+        holders = [p for p in self.heartbeat.up_peers() if p not in visited and p in known]
         if not holders:
             await self._finish_error(
                 relay,
@@ -696,7 +635,7 @@ class InferService:
                                              self._patience_s(ctx, claimed))
                 self.stats["forwarded"] += 1
                 if self.share_limiter is not None:
-                    self.share_limiter.record(target, time.monotonic())
+                    self.share_limiter.record(target, self.clock())
             sent_before = relay.sent_frames
             failure = await self._pump(relay, source)
             if failure is None:
@@ -716,7 +655,7 @@ class InferService:
                     # not a fault: it just does not serve this tenant; skip it for a while
                     self._mark_not_serving(target, req.ns)
                 elif self.trust is not None:
-                    self.trust.observe_failure(target, time.monotonic())
+                    self.trust.observe_failure(target, self.clock())
                 extra_hops.append(
                     replace(
                         hop, action="fallback", reason=f"failed: {failure}"[: wire.MAX_SHORT_STRING]
@@ -877,8 +816,8 @@ class InferService:
             verdict.kind, "spot_drifts")] += 1
         before = after = None
         if self.trust is not None:
-            before = self.trust.trust(job.peer, time.monotonic())
-            after = self.trust.observe_spot_check(job.peer, time.monotonic(), verdict)
+            before = self.trust.trust(job.peer, self.clock())
+            after = self.trust.observe_spot_check(job.peer, self.clock(), verdict)
         serving = observed.final.serving if observed.final is not None else b""
         evidence = {
             "request_id": req.id.hex(),
@@ -1082,7 +1021,7 @@ class InferService:
 
     def _mark_not_serving(self, peer: bytes, ns: bytes) -> None:
         key = (peer, ns)
-        self._not_serving[key] = time.monotonic() + NOT_SERVING_TTL_S
+        self._not_serving[key] = self.clock() + NOT_SERVING_TTL_S
         self._not_serving.move_to_end(key)
         while len(self._not_serving) > _MAX_NOT_SERVING:
             self._not_serving.popitem(last=False)
@@ -1091,7 +1030,7 @@ class InferService:
         until = self._not_serving.get((peer, ns))
         if until is None:
             return False
-        if time.monotonic() >= until:
+        if self.clock() >= until:
             del self._not_serving[(peer, ns)]
             return False
         return True
@@ -1117,7 +1056,7 @@ class InferService:
         one to a shorter holder is a proportional miss, like any stale claim.
         (c) needs the peer's own prefill time, so only a FINAL it served counts."""
         assert self.trust is not None
-        now = time.monotonic()
+        now = self.clock()
         self.trust.observe_cache(
             peer, now, claimed_tokens=claimed.matched_tokens if claimed else 0,
             cached_tokens=final.cached_tokens)
@@ -1142,11 +1081,10 @@ async def _set_on_exit(event: trio.Event):
         event.set()
 
 
-def _carry(known: dict[bytes, int]) -> tuple[tuple[bytes, int], ...]:
-    """A holder list as it rides on a forwarded request: longest matches first, within the
-    wire limit (a lookup answer is already bounded the same way)."""
-    ranked = sorted(known.items(), key=lambda kv: (-kv[1], kv[0]))
-    return tuple((p, b) for p, b in ranked[: wire.MAX_CARRIED_HOLDERS] if b > 0)
+def _context_tokens(backend: Backend) -> int | None:
+    """The engine's context length, when the backend says (decides context_length_exceeded)."""
+    n = getattr(backend, "context_tokens", None)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def _patch_ttft(final: wire.Final, me: bytes, ttft_ms: float) -> wire.Final:

@@ -415,7 +415,7 @@ def test_subnet_limit_and_router_memory_are_wired(tmp_path):
             assert a.infer.stats["subnet_limited"] >= 1
             assert ans.final.serving in (b.identity.peer_id, c.identity.peer_id)
             serving = b if ans.final.serving == b.identity.peer_id else c
-            now = time.monotonic()
+            now = time.time()  # the service's one clock
             assert a.infer.memory.enabled
             assert a.infer.memory.placements.recent(ans.final.serving, now) > 0.5
             assert serving.infer.memory.placements.inbound(now) > 0.5  # counted on arrival

@@ -1,0 +1,424 @@
+"""The one planner: what a router does with a request, decided from values (pure).
+
+The real node (``overlay/infer.py``) and the simulator (``bench/sim.py``) both call
+:meth:`Planner.plan` and only *carry out* what it returns, in the style of h11's
+``Connection`` returning events:
+
+- :class:`Serve` - run the model here;
+- :class:`Forward` - try ``targets`` in order (the chosen peer, its fallbacks, then
+  :data:`LOCAL` when this node may serve), carrying ``carry`` (the holder list the next
+  hop decides with, partitioned digests) on the request;
+- :class:`LookUp` - ask partition ``homes`` in turn who holds the chain, then plan again
+  with the answer (``PlanInput.answer``; ``None`` answers from every home: plan again
+  with ``may_look_up=False``);
+- :class:`Reject` - answer with the stable error ``code``.
+
+Inputs (:class:`PlanInput`) are what the node knows at decision time: its own radix
+match and load, the peers that are up (:class:`PeerLink`: RTT, fresher load from a PONG,
+trust, addresses), the hop budget and visited set, and a :class:`CacheView` - the one
+interface to what the digests say, with two implementations: :class:`FullView` (full
+replication: a :class:`~.peerindex.PeerCacheIndex`) and :class:`PartitionedView` (partial
+replication: partition homes, the holder list a request carries, the lookup cache). The
+planner keeps the router's :class:`~.routing.RouterMemory` (ski-rental rent, smoothed
+placements) and asks the routing :class:`~.routing.Policy`.
+
+Unified behaviour (the node and the simulator used to differ; docs/bench/sim.md):
+
+- candidates: every peer some digest says holds a prefix of the chain, plus up to
+  :data:`MAX_SHED_CANDIDATES` unmatched peers to shed load to, drawn at random from the
+  eligible ones (the simulator's rule; the node took the least loaded by PONG, which
+  herds: in the simulator it raised Zipf 1.5's max/mean load from 1.23 to 1.35);
+- a peer with no load figure at all (no PONG, no digest) is not a candidate: it cannot be
+  priced;
+- matched tokens are ``blocks * BLOCK_TOKENS`` capped at the prompt;
+- an entry node that needs a lookup asks up to :data:`LOOKUP_HOMES` live homes in turn
+  (the simulator asked one; its homes always answer, so that changed nothing there);
+- the holder list carried to the next hop is the decided-with list, longest first, within
+  the wire limit, zero matches dropped (an empty list is no list).
+
+Pure code: no IO, no clock (``now`` is passed in), randomness only inside the policy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prefixmesh.inference.core.blocks import BLOCK_TOKENS
+
+from .digest import LoadFigures
+from .limits import SubnetLimiter
+from .partition import PartitionedDigest, lookup_pays
+from .peerindex import PeerCacheIndex
+from .routing import (
+    FORWARD,
+    Candidate,
+    Decision,
+    Policy,
+    RouteContext,
+    RouterMemory,
+)
+
+__all__ = [
+    "DEFAULT_RTT_S",
+    "LOCAL",
+    "LOOKUP_HOMES",
+    "MAX_CARRIED_HOLDERS",
+    "MAX_SHED_CANDIDATES",
+    "CacheView",
+    "Forward",
+    "FullView",
+    "LookUp",
+    "PartitionedView",
+    "PeerLink",
+    "Plan",
+    "PlanInput",
+    "Planner",
+    "Reject",
+    "Serve",
+    "ViewAnswer",
+    "carry_list",
+]
+
+LOCAL = b""  # the target "serve here" in Forward.targets
+# A home up by the heartbeat can still be wedged or just restarted without records: ask
+# a second one, never more (each costs a round trip before the request moves at all).
+LOOKUP_HOMES = 2
+# Unmatched peers offered to the policy to shed load to: enough for a choice, few enough
+# that the cost model is not flooded with peers that save nothing.
+MAX_SHED_CANDIDATES = 2
+DEFAULT_RTT_S = 0.005  # a peer whose RTT was never measured: a LAN hop
+# Policies that never read cached matches: a lookup would only delay their requests.
+CACHE_BLIND_POLICIES = frozenset({"local", "round-robin", "random", "consistent-hash"})
+MAX_CARRIED_HOLDERS = 256  # == wire.MAX_CARRIED_HOLDERS (the codec enforces it)
+
+
+# ---------------------------------------------------------------------------- cache views
+
+
+@dataclass(frozen=True)
+class ViewAnswer:
+    """What a cache view knows about one chain without asking anyone."""
+
+    matches: Mapping[bytes, int] | None  # holder -> matched blocks; None: a lookup is needed
+    homes: tuple[bytes, ...] = ()  # partition homes, best first (() under full replication)
+    source: str = "index"  # "index" | "home" | "carried" | "cache" | "answer" | "none"
+
+
+class CacheView(Protocol):
+    """What the digests say about peers' caches (full index or partitioned homes)."""
+
+    def known(self, ns: bytes, chain: Sequence[bytes], now: float,
+              carried: Mapping[bytes, int] | None) -> ViewAnswer: ...
+
+    def load_of(self, peer: bytes) -> LoadFigures | None: ...
+
+    def vouches(self, peer: bytes) -> bool: ...
+
+    def namespace_holders(self, ns: bytes) -> set[bytes]: ...
+
+    def known_peers(self) -> list[bytes]: ...
+
+
+class FullView:
+    """Full replication: every peer's records are in one :class:`PeerCacheIndex`."""
+
+    def __init__(self, index: PeerCacheIndex, model: bytes) -> None:
+        self.index = index
+        self.model = model
+
+    def known(self, ns, chain, now, carried=None) -> ViewAnswer:
+        return ViewAnswer(self.index.longest_matches(ns, chain) if chain else {})
+
+    def load_of(self, peer: bytes) -> LoadFigures | None:
+        est = self.index.estimate(peer)
+        return est.load if est is not None else None
+
+    def vouches(self, peer: bytes) -> bool:
+        """Only peers whose digest we hold, running our model, are candidates."""
+        est = self.index.estimate(peer)
+        return est is not None and est.model == self.model
+
+    def namespace_holders(self, ns: bytes) -> set[bytes]:
+        return {p for p in self.index.peers() if self.index.holds_namespace(p, ns)}
+
+    def known_peers(self) -> list[bytes]:
+        return self.index.peers()
+
+
+class PartitionedView:
+    """Partial replication: a home's own partition index, else the carried holder list,
+    else a cached lookup answer (``PartitionedDigest.known_matches``)."""
+
+    def __init__(self, pd: PartitionedDigest, members: Callable[[], Iterable[bytes]]) -> None:
+        self.pd = pd
+        self.members = members
+
+    def known(self, ns, chain, now, carried=None) -> ViewAnswer:
+        if not chain:
+            return ViewAnswer({}, (), "none")
+        known, homes = self.pd.known_matches(ns, chain, self.members(), now, carried=carried)
+        if self.pd.peer_id in homes:
+            source = "home"
+        elif carried is not None:
+            source = "carried"
+        else:
+            source = "cache" if known is not None else "none"
+        return ViewAnswer(known, tuple(homes), source)
+
+    def load_of(self, peer: bytes) -> LoadFigures | None:
+        known = self.pd.load_of(peer)
+        return known[0] if known is not None else None
+
+    def vouches(self, peer: bytes) -> bool:
+        # no full index to vouch for a peer's model: a peer that is up passed the Noise
+        # handshake, and the serving node re-matches anyway
+        return True
+
+    def namespace_holders(self, ns: bytes) -> set[bytes]:
+        return self.pd.namespace_holders(ns)
+
+    def known_peers(self) -> list[bytes]:
+        return self.pd.known_peers()
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    """A peer that is up, as this node sees the link (not its digest)."""
+
+    rtt_s: float | None = None  # None: never measured (DEFAULT_RTT_S)
+    load: float | None = None  # queued + running from a fresh PONG; None: use the digest's
+    addrs: tuple[str, ...] = ()  # addresses of our live connection (the subnet cap)
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """Everything a router knows when it decides on one request (values only)."""
+
+    ns: bytes
+    chain: tuple[bytes, ...]
+    prompt_tokens: int
+    local_matched_tokens: int
+    local_prefill_tps: float  # this node's rate (its default while not measured)
+    local_queue_wait_s: float
+    local_load: float  # queued + running here
+    avg_request_s: float  # this node's mean service time: a peer's queue wait = load x it
+    hop_budget: int
+    visited: frozenset[bytes]
+    forwarded_in: bool  # a peer sent it (not a client)
+    peers: Mapping[bytes, PeerLink]  # up peers this request may go to (tenant, not-serving)
+    local_prefill_measured: bool = True  # False: use the candidates' median rate
+    may_serve_here: bool = True
+    carried: Mapping[bytes, int] | None = None  # the request's holder list (partitioned)
+    answer: Mapping[bytes, int] | None = None  # a lookup answer just received
+    may_look_up: bool = True  # entry node that has not looked up yet
+    trust: Mapping[bytes, float] = field(default_factory=dict)  # .get(peer, 1.0)
+    subnets: SubnetLimiter | None = None  # Sybil cap on candidates per subnet; None: off
+    context_tokens: int | None = None  # smallest context among the nodes; None: unknown
+    all_peers: tuple[bytes, ...] | None = None  # baselines' pool; None: the eligible peers
+
+
+# ---------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Serve:
+    reason: str
+    decision: Decision
+    ctx: RouteContext
+    carry: tuple[tuple[bytes, int], ...] | None = None
+    counters: tuple[str, ...] = ()
+    targets: tuple[bytes, ...] = (LOCAL,)
+
+
+@dataclass(frozen=True)
+class Forward:
+    reason: str
+    targets: tuple[bytes, ...]  # in order; LOCAL (b"") = serve here
+    decision: Decision
+    ctx: RouteContext
+    carry: tuple[tuple[bytes, int], ...] | None = None  # None: leave the request's as it is
+    counters: tuple[str, ...] = ()
+
+    @property
+    def peer(self) -> bytes:
+        return self.targets[0]
+
+
+@dataclass(frozen=True)
+class LookUp:
+    reason: str
+    homes: tuple[bytes, ...]  # ask in turn until one answers
+    counters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reject:
+    code: str  # a wire.ERROR_CODES code
+    reason: str
+    counters: tuple[str, ...] = ()
+
+
+Plan = Serve | Forward | LookUp | Reject
+
+_SOURCE_COUNTERS = {
+    "home": "partition_home_decisions",
+    "carried": "partition_carried_decisions",
+    "cache": "partition_lookup_cache_hits",
+}
+
+
+def carry_list(known: Mapping[bytes, int]) -> tuple[tuple[bytes, int], ...]:
+    """A holder list as it rides on a forwarded request: longest matches first, within the
+    wire limit, zero matches dropped."""
+    ranked = sorted(known.items(), key=lambda kv: (-kv[1], kv[0]))
+    return tuple((p, b) for p, b in ranked[:MAX_CARRIED_HOLDERS] if b > 0)
+
+
+# ---------------------------------------------------------------------------- planner
+
+
+class Planner:
+    """One router's planner: its policy, its memory, its cache view."""
+
+    def __init__(self, me: bytes, policy: Policy, view: CacheView,
+                 memory: RouterMemory | None = None, rng: random.Random | None = None) -> None:
+        self.me = me
+        self.policy = policy
+        self.view = view
+        self.memory = memory if memory is not None else RouterMemory.for_policy(policy, me)
+        self.rng = rng if rng is not None else random.Random(0)  # draws the shed candidates
+
+    def plan(self, inp: PlanInput, now: float) -> Plan:
+        """What to do with one request (see the module docstring)."""
+        if inp.context_tokens is not None and inp.prompt_tokens >= inp.context_tokens:
+            return Reject("context_length_exceeded",
+                          f"prompt of {inp.prompt_tokens} tokens does not fit the context of "
+                          f"{inp.context_tokens} tokens")
+        counters: list[str] = []
+        matches, carry, lookup = self._matches(inp, now, counters)
+        if lookup is not None:
+            return lookup
+        eligible = self._eligible(inp)
+        candidates = self._candidates(inp, matches, eligible, counters)
+        local_tps = inp.local_prefill_tps
+        if not inp.local_prefill_measured:
+            # not measured here yet: a default would make the comparison with peers'
+            # measured rates unfair either way; same model, so use theirs (median)
+            rates = sorted(c.prefill_tps for c in candidates if c.prefill_tps > 0)
+            if rates:
+                local_tps = rates[len(rates) // 2]
+        pool = tuple(sorted(eligible)) if inp.all_peers is None else inp.all_peers
+        ctx, decision = self.memory.decide(
+            self.policy, now=now, chain=inp.chain, prompt_tokens=inp.prompt_tokens,
+            local_matched_tokens=min(inp.local_matched_tokens, inp.prompt_tokens),
+            local_prefill_tps=max(local_tps, 1.0), local_queue_wait_s=inp.local_queue_wait_s,
+            local_load=inp.local_load, candidates=candidates, hop_budget=inp.hop_budget,
+            visited=inp.visited | {self.me}, all_peers=pool, n_nodes=len(eligible) + 1,
+            forwarded_in=inp.forwarded_in,
+        )  # fmt: skip
+        return self._action(inp, ctx, decision, carry, tuple(counters))
+
+    def _matches(self, inp: PlanInput, now: float, counters: list[str]):
+        """(holder -> blocks, carry, LookUp or None) from the cache view."""
+        carried = inp.answer if inp.answer is not None else (inp.carried or None)
+        got = self.view.known(inp.ns, inp.chain, now, carried)
+        if inp.answer is not None:
+            got = ViewAnswer(got.matches, got.homes, "answer")
+        if got.source in _SOURCE_COUNTERS:
+            counters.append(_SOURCE_COUNTERS[got.source])
+        if got.matches is not None:
+            carry = None if got.source in ("index", "home", "none") else carry_list(got.matches)
+            return got.matches, carry, None
+        if not inp.may_look_up or self.policy.name in CACHE_BLIND_POLICIES:
+            return {}, None, None
+        live = [h for h in got.homes if h in inp.peers]
+        if not live:
+            counters.append("partition_no_live_home")
+            return {}, None, None
+        rtt = inp.peers[live[0]].rtt_s
+        # what a hit elsewhere could save at most: prefilling what we do not hold
+        unmatched = inp.prompt_tokens - min(inp.local_matched_tokens, inp.prompt_tokens)
+        if not lookup_pays(unmatched, inp.local_prefill_tps,
+                           rtt if rtt is not None else DEFAULT_RTT_S):
+            counters.append("partition_lookups_skipped")
+            return {}, None, None
+        homes = tuple(live[:LOOKUP_HOMES])
+        return {}, None, LookUp("partition lookup", homes, tuple(counters))
+
+    def _eligible(self, inp: PlanInput) -> set[bytes]:
+        visited, me, vouches = inp.visited, self.me, self.view.vouches
+        return {p for p in inp.peers if p != me and p not in visited and vouches(p)}
+
+    def _load(self, inp: PlanInput, peer: bytes) -> tuple[float, LoadFigures | None] | None:
+        """A peer's load (a PONG's, else its digest's) and digest figures; None: unknown."""
+        link = inp.peers[peer]
+        figures = self.view.load_of(peer)
+        if link.load is not None:
+            return link.load, figures
+        if figures is None:
+            return None  # nothing to price it with
+        return float(figures.queue_depth + figures.active), figures
+
+    def _candidate(self, inp: PlanInput, peer: bytes, blocks: int,
+                   known: tuple[float, LoadFigures | None]) -> Candidate:
+        load, figures = known
+        rtt = inp.peers[peer].rtt_s
+        return Candidate(
+            peer=peer,
+            matched_tokens=min(blocks * BLOCK_TOKENS, inp.prompt_tokens),
+            prefill_tps=max(figures.prefill_tps, 0.0) if figures is not None else 0.0,
+            queue_wait_s=load * inp.avg_request_s,
+            load=load,
+            rtt_s=rtt if rtt is not None else DEFAULT_RTT_S,
+            trust=min(1.0, max(0.0, inp.trust.get(peer, 1.0))),
+        )
+
+    def _candidates(self, inp: PlanInput, matches: Mapping[bytes, int], eligible: set[bytes],
+                    counters: list[str]) -> list[Candidate]:
+        out: list[Candidate] = []
+        for peer in sorted(p for p in matches if p in eligible):
+            known = self._load(inp, peer)
+            if known is not None:
+                out.append(self._candidate(inp, peer, matches[peer], known))
+        # a few unmatched peers, drawn at random, let the policy shed load (the power of
+        # two choices: the cost model picks the lighter; "least loaded first" herds every
+        # router onto the same peers while load figures are seconds old)
+        pool = sorted(p for p in eligible if p not in matches)
+        for peer in self.rng.sample(pool, min(MAX_SHED_CANDIDATES, len(pool))):
+            known = self._load(inp, peer)
+            if known is not None:
+                out.append(self._candidate(inp, peer, 0, known))
+        if inp.subnets is not None and out:
+            # Sybil basics: many identities behind one subnet count as few candidates;
+            # the most trusted, longest claims of each subnet are kept
+            ranked = sorted(out, key=lambda c: (-c.trust, -c.matched_tokens, c.peer))
+            kept = inp.subnets.select((c, inp.peers[c.peer].addrs) for c in ranked)
+            if len(kept) < len(out):
+                counters.extend(["subnet_limited"] * (len(out) - len(kept)))
+                keep = {c.peer for c in kept}
+                out = [c for c in out if c.peer in keep]
+        return out
+
+    def _action(self, inp: PlanInput, ctx: RouteContext, decision: Decision, carry,
+                counters: tuple[str, ...]) -> Plan:
+        targets: list[bytes] = []
+        if decision.action == FORWARD and decision.peer is not None:
+            targets = [decision.peer, *decision.fallbacks]
+        if inp.may_serve_here:
+            if not targets:
+                return Serve(decision.reason, decision, ctx, carry, counters)
+            targets.append(LOCAL)
+        elif inp.hop_budget > 0:
+            # this node may not serve the namespace (allowed_peers): pass it on to the
+            # candidates that may, longest estimated match first
+            ranked = sorted(ctx.candidates, key=lambda c: (-c.matched_tokens, c.load, c.peer))
+            targets += [c.peer for c in ranked if c.peer not in targets][:4]
+        if not targets:
+            return Reject("no_route", "no node may serve this request", counters)
+        return Forward(decision.reason, tuple(targets), decision, ctx, carry, counters)
