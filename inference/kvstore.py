@@ -90,6 +90,7 @@ __all__ = [
     "KVStore",
     "encode_state_file",
     "decode_state_file",
+    "read_state_file",
     "CorruptStateFile",
 ]
 
@@ -102,6 +103,8 @@ NS_ID_BYTES = 8
 CHECKSUM_BYTES = 32
 MAX_STATE_TOKENS = 1 << 20
 _HEADER = struct.Struct("<4sHH32s8sIQ")
+FLAG_SEGMENT = 1  # a u32 ``base`` follows the header: the state holds tokens [base, n_tokens)
+_BASE = struct.Struct("<I")
 _RAM_TOKEN_OVERHEAD = 4
 
 
@@ -152,13 +155,17 @@ def _checksum(*parts: bytes | memoryview) -> bytes:
 
 
 def _state_file_head(
-    fingerprint: bytes, ns_id: bytes, tokens: Sequence[int], payload_len: int
+    fingerprint: bytes, ns_id: bytes, tokens: Sequence[int], payload_len: int, base: int = 0
 ) -> bytes:
     if len(fingerprint) != FINGERPRINT_BYTES or len(ns_id) != NS_ID_BYTES:
         raise ValueError("bad fingerprint or namespace id length")
-    return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, 0, fingerprint, ns_id, len(tokens), payload_len
-    ) + struct.pack(f"<{len(tokens)}I", *tokens)
+    if not 0 <= base < max(1, len(tokens)):
+        raise ValueError("a segment's base must lie inside its tokens")
+    flags = FLAG_SEGMENT if base else 0
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, fingerprint, ns_id, len(tokens), payload_len)
+    if base:
+        head += _BASE.pack(base)
+    return head + struct.pack(f"<{len(tokens)}I", *tokens)
 
 
 def _as_bytes_view(data) -> memoryview:
@@ -167,56 +174,75 @@ def _as_bytes_view(data) -> memoryview:
 
 
 def encode_state_file(
-    fingerprint: bytes, ns_id: bytes, tokens: Sequence[int], payload: bytes
+    fingerprint: bytes, ns_id: bytes, tokens: Sequence[int], payload: bytes, base: int = 0
 ) -> tuple[bytes, bytes]:
-    """Header+tokens and the trailing checksum of a state file (payload goes between them)."""
+    """Header+tokens and the trailing checksum of a state file (payload goes between them);
+    ``base`` > 0 marks a segment holding only tokens[base:] (its parent holds the rest)."""
     view = _as_bytes_view(payload)
-    head = _state_file_head(fingerprint, ns_id, tokens, len(view))
+    head = _state_file_head(fingerprint, ns_id, tokens, len(view), base)
     return head, _checksum(head, view)
 
 
-def _parse_header(buf: bytes, file_size: int, max_payload: int) -> tuple[bytes, bytes, int, int]:
-    if len(buf) < _HEADER.size:
+def _parse_header(f, file_size: int, max_payload: int):
+    """(head bytes, fingerprint, ns_id, tokens, base, payload_len) of an open state file."""
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
         raise CorruptStateFile("shorter than the header")
-    magic, version, _flags, fp, ns_id, n_tokens, payload_len = _HEADER.unpack_from(buf)
+    magic, version, flags, fp, ns_id, n_tokens, payload_len = _HEADER.unpack_from(head)
     if magic != MAGIC:
         raise CorruptStateFile(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
         raise CorruptStateFile(f"unknown format version {version}")
+    if flags & ~FLAG_SEGMENT:
+        raise CorruptStateFile(f"unknown flags {flags:#x}")
     if not 0 < n_tokens <= MAX_STATE_TOKENS:
         raise CorruptStateFile(f"token count {n_tokens} out of range")
     if payload_len > max_payload:
         raise CorruptStateFile(f"payload of {payload_len} bytes over the limit {max_payload}")
-    expected = _HEADER.size + 4 * n_tokens + payload_len + CHECKSUM_BYTES
+    base = 0
+    if flags & FLAG_SEGMENT:
+        raw = f.read(_BASE.size)
+        if len(raw) != _BASE.size:
+            raise CorruptStateFile("truncated segment base")
+        head += raw
+        (base,) = _BASE.unpack(raw)
+        if not 0 < base < n_tokens:
+            raise CorruptStateFile(f"segment base {base} outside its {n_tokens} tokens")
+    expected = len(head) + 4 * n_tokens + payload_len + CHECKSUM_BYTES
     if file_size != expected:
         raise CorruptStateFile(f"file is {file_size} bytes, header says {expected}")
-    return fp, ns_id, n_tokens, payload_len
+    tok_bytes = f.read(4 * n_tokens)
+    if len(tok_bytes) != 4 * n_tokens:
+        raise CorruptStateFile("truncated token ids")
+    tokens = struct.unpack(f"<{n_tokens}I", tok_bytes)
+    return head + tok_bytes, fp, ns_id, tokens, base, payload_len
 
 
-def decode_state_file(
-    path: Path, *, max_payload: int, verify: bool = True
-) -> tuple[bytes, bytes, tuple[int, ...], bytearray | None]:
-    """Read ``path``: (fingerprint, ns_id, tokens, payload or None when ``verify`` is False).
-
-    Raises :class:`CorruptStateFile` for anything malformed, OSError for I/O failures.
-    """
+def read_state_file(path: Path, *, max_payload: int, verify: bool = True):
+    """Read ``path``: (fingerprint, ns_id, tokens, base, payload or None when ``verify`` is
+    False). Raises :class:`CorruptStateFile` for anything malformed, OSError for I/O."""
     with open(path, "rb") as f:
         file_size = os.fstat(f.fileno()).st_size
-        head = f.read(_HEADER.size)
-        fp, ns_id, n_tokens, payload_len = _parse_header(head, file_size, max_payload)
-        tok_bytes = f.read(4 * n_tokens)
-        if len(tok_bytes) != 4 * n_tokens:
-            raise CorruptStateFile("truncated token ids")
-        tokens = struct.unpack(f"<{n_tokens}I", tok_bytes)
+        head, fp, ns_id, tokens, base, payload_len = _parse_header(f, file_size, max_payload)
         if not verify:
-            return fp, ns_id, tokens, None
+            return fp, ns_id, tokens, base, None
         payload = bytearray(payload_len)  # bytearray: the engine restores from it in place
         got = f.readinto(payload)
         trailer = f.read(CHECKSUM_BYTES + 1)
     if got != payload_len or len(trailer) != CHECKSUM_BYTES:
         raise CorruptStateFile("truncated payload")
-    if _checksum(head, tok_bytes, payload) != trailer:
+    if _checksum(head, payload) != trailer:
         raise CorruptStateFile("checksum mismatch")
+    return fp, ns_id, tokens, base, payload
+
+
+def decode_state_file(
+    path: Path, *, max_payload: int, verify: bool = True
+) -> tuple[bytes, bytes, tuple[int, ...], bytearray | None]:
+    """Read ``path``: (fingerprint, ns_id, tokens, payload or None when ``verify`` is False)
+    (:func:`read_state_file` without the segment base)."""
+    fp, ns_id, tokens, _base, payload = read_state_file(
+        path, max_payload=max_payload, verify=verify)
     return fp, ns_id, tokens, payload
 
 
@@ -230,11 +256,15 @@ def _locked(method):
 
 
 class _RamItem:
-    __slots__ = ("ns_id", "data")
+    # base: first token the state holds (0: a whole prefix; > 0: a segment whose parent is
+    # the entry of tokens[:base] in the same tier); children: keys of segments based on it
+    __slots__ = ("ns_id", "data", "base", "children")
 
-    def __init__(self, ns_id: bytes, data: bytes) -> None:
+    def __init__(self, ns_id: bytes, data, base: int = 0) -> None:
         self.ns_id = ns_id
         self.data = data
+        self.base = base
+        self.children: set[tuple[int, ...]] = set()
 
 
 class _DiskItem:
@@ -242,26 +272,36 @@ class _DiskItem:
     (it is served from memory until then); ``dropped`` marks an entry that left the index
     before its write finished (the writer then discards its temp file)."""
 
-    __slots__ = ("ns_id", "path", "data", "size", "queued_at", "dropped")
+    __slots__ = ("ns_id", "path", "data", "size", "queued_at", "dropped", "base", "children",
+                 "gen", "on_disk")
 
-    def __init__(self, ns_id: bytes, path: Path, data=None, size: int = 0) -> None:
+    def __init__(self, ns_id: bytes, path: Path, data=None, size: int = 0,
+                 base: int = 0) -> None:
         self.ns_id = ns_id
         self.path = path
         self.data = data
         self.size = size
         self.queued_at = 0.0
         self.dropped = False
+        self.base = base
+        self.children: set[tuple[int, ...]] = set()
+        self.gen = 0  # bumped when a rebase queues a new version of the file
+        self.on_disk = data is None  # a file exists under ``path``
 
 
 class Lease:
     """A restorable state, pinned in the store until :meth:`release` (or ``with``)."""
 
-    def __init__(self, store: KVStore, tier: str, entry: Entry, length: int, data: bytes):
+    def __init__(self, store: KVStore, tier: str, entry: Entry, length: int,
+                 segments: list[tuple[int, object]]):
         self.tier = tier  # "ram" | "disk" (where it was found)
         self.length = length  # tokens of the query this state serves
         self.tokens = entry.tokens[1:]  # the tokens the state holds
         self.entry_tokens = len(self.tokens)  # >= length
-        self.data = data
+        # (base, state) root first: restore each in turn; state i holds tokens
+        # [base_i, base_{i+1}) (the last one up to entry_tokens)
+        self.segments = segments
+        self.data = segments[-1][1]  # the entry's own state (the whole prefix when base 0)
         self._store = store
         self._entry: Entry | None = entry
 
@@ -300,7 +340,7 @@ class KVStore:
         self.max_pending_bytes = int(max_pending_bytes)
         self._lock = threading.RLock()
         self._writer_cv = threading.Condition(self._lock)
-        self._queue: deque[tuple[tuple[int, ...], _DiskItem]] = deque()
+        self._queue: deque[tuple[tuple[int, ...], _DiskItem, int]] = deque()
         self._writing = False
         self._closing = False
         self._writer: threading.Thread | None = None
@@ -352,7 +392,7 @@ class KVStore:
         s.ram_entries, s.ram_bytes = len(self._ram), self._ram.used_bytes
         s.disk_entries, s.disk_bytes = len(self._disk), self._disk.used_bytes
         s.pending_writes = len(self._queue)
-        s.pending_bytes = sum(item.size for _, item in self._queue)
+        s.pending_bytes = sum(item.size for _, item, _ in self._queue)
         s.ram_budget_bytes, s.disk_budget_bytes = (
             self._ram.capacity_bytes,
             self._disk.capacity_bytes,
@@ -367,9 +407,75 @@ class KVStore:
 
     # ------------------------------------------------------------------ tree callbacks
 
+    def _link(self, tree: RadixTree, key: tuple[int, ...], item, size: int) -> Entry | None:
+        """Insert a state into ``tree``; a segment pins its parent there (so a parent leaves
+        a tier only after its children); None if it does not fit or its parent is absent."""
+        parent = None
+        if item.base:
+            parent = tree.get(key[: item.base + 1])
+            if parent is None:
+                return None
+            tree.pin(parent)
+        entry = tree.insert(key, item, size)
+        if parent is not None:
+            if entry is None:
+                tree.unpin(parent)
+            else:
+                parent.payload.children.add(key)
+        return entry
+
+    @staticmethod
+    def _unlink(tree: RadixTree, key: tuple[int, ...], item) -> None:
+        """A state left ``tree``: release its parent's pin (called from on_evict)."""
+        if item.base:
+            parent = tree.get(key[: item.base + 1])
+            if parent is not None and key in parent.payload.children:
+                parent.payload.children.discard(key)
+                tree.unpin(parent)
+
+    def _chain(self, tree: RadixTree, entry: Entry) -> list[Entry]:
+        """``entry`` and its ancestors, root first; the ancestors count as used (LRU)."""
+        chain = [entry]
+        while chain[-1].payload.base:
+            tail = chain[-1]
+            chain.append(tree.get(tail.tokens[: tail.payload.base + 1]))
+        chain.reverse()
+        for ancestor in chain[:-1]:
+            tree.match(ancestor.tokens)
+        return chain
+
+    def _subtree(self, tree: RadixTree, key: tuple[int, ...]) -> list[Entry]:
+        """The entry of ``key`` and every segment based on it (transitively), leaves first."""
+        out: list[Entry] = []
+        entry = tree.get(key)
+        if entry is not None:
+            for child in list(entry.payload.children):
+                out.extend(self._subtree(tree, child))
+            out.append(entry)
+        return out
+
+    def _drop_subtree(self, tree: RadixTree, key: tuple[int, ...]) -> bool:
+        """Remove ``key`` and its descendants from ``tree`` (no demotion); False if some
+        entry of them is leased (then nothing is removed)."""
+        entries = self._subtree(tree, key)
+        if any(e.pins > len(e.payload.children) for e in entries):
+            return False
+        for e in entries:
+            self._dropping.add(e.tokens)
+        try:
+            for e in entries:
+                tree.remove(e.tokens)
+        finally:
+            for e in entries:
+                self._dropping.discard(e.tokens)
+        return True
+
     def _ram_evicted(self, entry: Entry) -> None:
         item: _RamItem = entry.payload
         key = entry.tokens
+        self._unlink(self._ram, key, item)
+        if key in self._replacing:
+            return
         if key in self._dropping:
             if self._disk.get(key) is None:
                 self._emit("remove", item.ns_id, key)
@@ -377,18 +483,19 @@ class KVStore:
         if self._disk.get(key) is not None:  # written or queued by write-behind: free
             self.stats.demotions += 1
             return
-        if self._write_disk(item.ns_id, key, item.data):
+        if self._write_disk(item.ns_id, key, item.data, item.base):
             self.stats.demotions += 1
         else:
             self._emit("remove", item.ns_id, key)
 
     def _disk_evicted(self, entry: Entry) -> None:
         item: _DiskItem = entry.payload
+        self._unlink(self._disk, entry.tokens, item)
         item.dropped = True
         if item.data is not None:  # still queued: the writer skips it
             item.data = None
             self.stats.writes_skipped += 1
-        else:
+        if item.on_disk:
             try:
                 item.path.unlink(missing_ok=True)
             except OSError as exc:
@@ -398,21 +505,29 @@ class KVStore:
 
     # ------------------------------------------------------------------ disk
 
-    def _write_disk(self, ns_id: bytes, key: tuple[int, ...], data) -> bool:
+    @staticmethod
+    def _file_size(key: tuple[int, ...], payload_len: int, base: int) -> int:
+        return (_HEADER.size + (_BASE.size if base else 0) + 4 * (len(key) - 1) + payload_len
+                + CHECKSUM_BYTES)
+
+    def _write_disk(self, ns_id: bytes, key: tuple[int, ...], data, base: int = 0) -> bool:
         """Index a state in the disk tier and queue it for the writer thread; False if it
-        does not fit (or there is no disk tier). Caller holds the lock."""
+        does not fit, its parent segment is not on disk, or there is no disk tier. Caller
+        holds the lock."""
         if self.model_dir is None or self._closing:
             return False
         assert self._disk.get(key) is None, "a disk entry is never replaced in place"
-        view = _as_bytes_view(data)
-        size = _HEADER.size + 4 * (len(key) - 1) + len(view) + CHECKSUM_BYTES
-        item = _DiskItem(ns_id, self._path_for(ns_id, key), data, size)
-        if self._disk.insert(key, item, size) is None:
+        size = self._file_size(key, len(_as_bytes_view(data)), base)
+        item = _DiskItem(ns_id, self._path_for(ns_id, key), data, size, base)
+        if self._link(self._disk, key, item, size) is None:
             return False
-        item.queued_at = time.monotonic()
-        self._queue.append((key, item))
-        self._writer_cv.notify_all()
+        self._enqueue(key, item)
         return True
+
+    def _enqueue(self, key: tuple[int, ...], item: _DiskItem) -> None:
+        item.queued_at = time.monotonic()
+        self._queue.append((key, item, item.gen))
+        self._writer_cv.notify_all()
 
     def _wait_for_writer(self) -> None:
         """Back-pressure (caller holds the lock): wait while the oldest queued state is older
@@ -421,7 +536,7 @@ class KVStore:
         waited = False
         while self._queue and self._writer is not None and self._writer.is_alive():
             oldest = self._queue[0][1]
-            pending = sum(item.size for _, item in self._queue)
+            pending = sum(item.size for _, item, _ in self._queue)
             age = time.monotonic() - oldest.queued_at
             if age < self.write_delay_s and pending <= self.max_pending_bytes:
                 break
@@ -438,15 +553,16 @@ class KVStore:
                     cv.wait()
                 if not self._queue:
                     return  # closing and drained
-                key, item = self._queue[0]
+                key, item, gen = self._queue[0]
                 data = item.data
-                if data is None:  # dropped while queued
+                if data is None or item.dropped or item.gen != gen:  # dropped or superseded
                     self._queue.popleft()
                     cv.notify_all()
                     continue
+                base = item.base
                 self._writing = True
             try:
-                self._write_one(key, item, data)
+                self._write_one(key, item, data, gen, base)
             finally:
                 with cv:
                     self._writing = False
@@ -456,14 +572,15 @@ class KVStore:
                     cv.notify_all()
                 self._flush_changes_async()
 
-    def _write_one(self, key: tuple[int, ...], item: _DiskItem, data) -> None:
+    def _write_one(self, key: tuple[int, ...], item: _DiskItem, data, gen: int,
+                   base: int) -> None:
         """Writer thread: temp file, fsync, then (under the lock, if the entry is still
         indexed) rename over the final name and fsync the folder."""
         path = item.path
         tmp_name = None
         try:
             view = _as_bytes_view(data)
-            head = _state_file_head(self.fingerprint, item.ns_id, key[1:], len(view))
+            head = _state_file_head(self.fingerprint, item.ns_id, key[1:], len(view), base)
             checksum = _checksum(head, view)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=path.parent)
@@ -475,13 +592,14 @@ class KVStore:
                 if self._fsync:
                     os.fsync(f.fileno())
             with self._lock:
-                if item.dropped:
+                if item.dropped or item.gen != gen:  # evicted, or a newer version is queued
                     Path(tmp_name).unlink(missing_ok=True)
                     tmp_name = None
                     return
                 os.replace(tmp_name, path)
                 tmp_name = None
                 item.data = None  # on disk now: later reads come from the file
+                item.on_disk = True
                 self.stats.disk_writes += 1
             if self._fsync:
                 fsync_dir(path.parent)
@@ -491,9 +609,9 @@ class KVStore:
                 Path(tmp_name).unlink(missing_ok=True)
             with self._lock:
                 self.stats.disk_write_errors += 1
-                if not item.dropped and self._disk.get(key) is not None:
-                    if self._disk.get(key).payload is item and not self._disk.get(key).pins:
-                        self._disk.remove(key)  # emits "remove" when RAM lacks it too
+                entry = self._disk.get(key)
+                if not item.dropped and entry is not None and entry.payload is item:
+                    self._drop_subtree(self._disk, key)  # emits "remove" when RAM lacks it
 
     def _flush_changes_async(self) -> None:
         with self._lock:
@@ -512,7 +630,7 @@ class KVStore:
 
     def _rebuild(self, verify: bool) -> None:
         assert self.model_dir is not None
-        found: list[tuple[float, bytes, tuple[int, ...], Path, int]] = []
+        found: list[tuple[float, bytes, tuple[int, ...], Path, int, int]] = []
         max_payload = self._disk.capacity_bytes
         for ns_dir in sorted(self.model_dir.iterdir()):
             try:
@@ -530,7 +648,7 @@ class KVStore:
                     continue
                 try:
                     st = path.stat()
-                    fp, ns_id, tokens, _ = decode_state_file(
+                    fp, ns_id, tokens, base, _ = read_state_file(
                         path, max_payload=max_payload, verify=verify
                     )
                 except CorruptStateFile as exc:
@@ -546,13 +664,24 @@ class KVStore:
                 if ns_id != dir_ns or self._path_for(ns_id, key) != path:
                     self._discard_file(path, "file name or folder does not match its header")
                     continue
-                found.append((st.st_mtime, ns_id, key, path, st.st_size))
-        found.sort(key=lambda f: f[0])  # oldest first: the newest end up most recently used
-        for _, ns_id, key, path, size in found:
-            if self._disk.insert(key, _DiskItem(ns_id, path), size) is None:
+                found.append((st.st_mtime, ns_id, key, path, st.st_size, base))
+        # parents (shorter) before the segments based on them; then recency from mtimes
+        found.sort(key=lambda f: (len(f[2]), f[0]))
+        kept = []
+        for f in found:
+            mtime, ns_id, key, path, size, base = f
+            if base and self._disk.get(key[: base + 1]) is None:
+                self._discard_file(path, "segment whose parent state is missing")
+                continue
+            if self._link(self._disk, key, _DiskItem(ns_id, path, None, size, base),
+                          size) is None:
                 self._discard_file(path, "over the disk budget")
                 continue
-            self._emit("add", ns_id, key)
+            kept.append(f)
+        for f in sorted(kept, key=lambda f: f[0]):  # oldest first: newest most recently used
+            if self._disk.get(f[2]) is not None:
+                self._disk.match(f[2])
+                self._emit("add", f[1], f[2])
         self._update_sizes()
 
     def _read_disk(self, entry: Entry):
@@ -560,14 +689,16 @@ class KVStore:
         if item.data is not None:  # queued for the writer: the bytes are still in memory
             return item.data
         try:
-            fp, ns_id, tokens, payload = decode_state_file(
+            fp, ns_id, tokens, base, payload = read_state_file(
                 item.path, max_payload=self._disk.capacity_bytes
             )
-            if fp != self.fingerprint or ns_id != item.ns_id or tokens != entry.tokens[1:]:
+            if (fp != self.fingerprint or ns_id != item.ns_id or tokens != entry.tokens[1:]
+                    or base != item.base):
                 raise CorruptStateFile("header does not match the index")
         except (CorruptStateFile, OSError) as exc:
             self._discard_file(item.path, f"unloadable ({exc}); treated as a miss")
-            self._disk.remove(entry.tokens)
+            item.on_disk = False
+            self._drop_subtree(self._disk, entry.tokens)  # its segments are useless now
             return None
         try:
             os.utime(item.path)  # recency survives restarts
@@ -604,30 +735,45 @@ class KVStore:
                     self.stats.misses += 1
                     return None
                 if lr >= ld:
+                    chain = self._chain(self._ram, mr.entry)
                     self._ram.pin(mr.entry)
                     self.stats.hits_ram += 1
-                    return Lease(self, "ram", mr.entry, lr, mr.entry.payload.data)
+                    segments = [(e.payload.base, e.payload.data) for e in chain]
+                    return Lease(self, "ram", mr.entry, lr, segments)
                 entry = md.entry
-                data = self._read_disk(entry)  # None: the file was bad and is gone now
-                if data is None:
+                chain = self._chain(self._disk, entry)
+                datas = []
+                for e in chain:
+                    data = self._read_disk(e)  # None: the file was bad and is gone now
+                    if data is None:
+                        break
+                    datas.append(data)
+                if len(datas) < len(chain):
+                    if entry.stored:  # a leased segment kept it: give up on this lookup
+                        self.stats.misses += 1
+                        return None
                     continue
                 self.stats.hits_disk += 1
-                # Promote: later hits are served from RAM; the file stays as the disk copy.
-                # The disk entry is pinned so that demotions caused by this insert cannot
-                # evict it.
+                segments = [(e.payload.base, d) for e, d in zip(chain, datas, strict=True)]
+                # Promote the chain, root first: later hits are served from RAM; the files
+                # stay as the disk copies. The disk entry is pinned so that demotions caused
+                # by these inserts cannot evict it.
                 self._disk.pin(entry)
                 try:
-                    ram_entry = self._ram.insert(
-                        entry.tokens,
-                        _RamItem(ns_id, data),
-                        len(data) + _RAM_TOKEN_OVERHEAD * len(entry.tokens),
-                    )
+                    for e, data in zip(chain, datas, strict=True):
+                        if self._ram.get(e.tokens) is None:
+                            size = len(_as_bytes_view(data)) + _RAM_TOKEN_OVERHEAD * len(
+                                e.tokens)
+                            if self._link(self._ram, e.tokens,
+                                          _RamItem(ns_id, data, e.payload.base), size) is None:
+                                break
+                            self.stats.promotions += 1
+                    ram_entry = self._ram.get(entry.tokens)
                     if ram_entry is not None:
-                        self.stats.promotions += 1
                         self._ram.pin(ram_entry)
-                        return Lease(self, "disk", ram_entry, ld, data)
+                        return Lease(self, "disk", ram_entry, ld, segments)
                     self._disk.pin(entry)
-                    return Lease(self, "disk", entry, ld, data)
+                    return Lease(self, "disk", entry, ld, segments)
                 finally:
                     self._disk.unpin(entry)
         finally:
@@ -662,25 +808,32 @@ class KVStore:
         return any(tree.match(key).length == len(key) for tree in (self._ram, self._disk))
 
     @_locked
-    def put(self, ns_id: bytes, tokens: Sequence[int], data: bytes) -> bool:
-        """Store the state for exactly ``tokens``; False if it fits in neither tier."""
+    def put(self, ns_id: bytes, tokens: Sequence[int], data, *, base: int = 0) -> bool:
+        """Store the state for exactly ``tokens``; False if it fits in neither tier (or the
+        old state of these tokens is in use and stays). ``base`` > 0: ``data`` holds only
+        ``tokens[base:]`` and needs the stored state of ``tokens[:base]`` (its parent; see
+        :meth:`parent_length`) in the same tier."""
         if not tokens:
             raise ValueError("cannot store an empty prefix")
+        if not 0 <= base < len(tokens):
+            raise ValueError("base must be in [0, len(tokens))")
         try:
             key = self._key(ns_id, tokens)
-            was_cached = self._ram.get(key) is not None or self._disk.get(key) is not None
+            olds = [tree.get(key) for tree in (self._ram, self._disk)]
+            was_cached = any(e is not None for e in olds)
+            if any(e is not None and e.pins for e in olds):
+                return False  # in use or a parent: the old state (same tokens) stays
+            self._replacing.add(key)  # the new state replaces the old copies: no events
+            try:
+                for tree, old in zip((self._ram, self._disk), olds, strict=True):
+                    if old is not None:
+                        tree.remove(key)
+            finally:
+                self._replacing.discard(key)
             size = len(_as_bytes_view(data)) + _RAM_TOKEN_OVERHEAD * len(key)
-            in_ram = self._ram.insert(key, _RamItem(ns_id, data), size) is not None
-            stale = self._disk.get(key)
-            if stale is not None and not stale.pins:
-                self._replacing.add(key)  # the new state replaces the old copy: no event
-                try:
-                    self._disk.remove(key)
-                finally:
-                    self._replacing.discard(key)
-            # write-behind: every new state is queued for disk at once (a pinned old copy,
-            # being read right now, stays: it holds the same tokens)
-            on_disk = self._disk.get(key) is not None or self._write_disk(ns_id, key, data)
+            in_ram = self._link(self._ram, key, _RamItem(ns_id, data, base), size) is not None
+            # write-behind: every new state is queued for disk at once
+            on_disk = self._write_disk(ns_id, key, data, base)
             ok = in_ram or on_disk
             if ok:
                 self.stats.puts += 1
@@ -694,22 +847,90 @@ class KVStore:
             self._flush_changes()
 
     @_locked
+    def parent_length(self, ns_id: bytes, tokens: Sequence[int]) -> int:
+        """Length of the longest stored prefix of ``tokens`` (RAM first, else disk) that a
+        segment for ``tokens`` could be based on; 0 if none. No LRU touch."""
+        key = self._key(ns_id, tokens)
+        for tree in (self._ram, self._disk):
+            entry = tree.longest_prefix_entry(key[:-1])
+            if entry is not None:
+                return len(entry.tokens) - 1
+        return 0
+
+    @_locked
+    def branch_point(self, ns_id: bytes, tokens: Sequence[int]
+                     ) -> tuple[int, tuple[int, ...] | None, int]:
+        """(L, other, other_base): ``tokens`` share L tokens with the stored RAM state of
+        ``other`` and diverge from it there (0 < L < both lengths); ``other_base`` is where
+        that state's own segment starts. (0, None, 0) if there is no such state."""
+        key = self._key(ns_id, tokens)
+        m = self._ram.match(key)
+        length = m.length - 1
+        if m.entry is None or length <= 0 or length >= len(key) - 1:
+            return 0, None, 0
+        if len(m.entry.tokens) - 1 <= length:
+            return 0, None, 0
+        return length, m.entry.tokens[1:], m.entry.payload.base
+
+    @_locked
+    def rebase(self, ns_id: bytes, tokens: Sequence[int], new_base: int, data) -> bool:
+        """Replace the state of ``tokens`` by a shorter segment ``data`` (tokens
+        [new_base:]) on the stored state of ``tokens[:new_base]``, in each tier that holds
+        both; the old parent's pin moves to the new parent. True if any tier changed."""
+        try:
+            key = self._key(ns_id, tokens)
+            new_parent_key = key[: new_base + 1]
+            changed = False
+            for tree in (self._ram, self._disk):
+                entry, parent = tree.get(key), tree.get(new_parent_key)
+                if entry is None or parent is None or not 0 <= entry.payload.base < new_base:
+                    continue
+                if not self._under(tree, parent, entry.payload.base):
+                    continue  # the new parent must extend the old one (same chain)
+                item = entry.payload
+                tree.pin(parent)
+                parent.payload.children.add(key)
+                self._unlink(tree, key, item)
+                item.base = new_base
+                n = len(_as_bytes_view(data))
+                if tree is self._ram:
+                    item.data = data
+                    tree.insert(key, item, n + _RAM_TOKEN_OVERHEAD * len(key))  # smaller
+                else:
+                    item.size = self._file_size(key, n, new_base)
+                    item.data = data
+                    item.gen += 1
+                    tree.insert(key, item, item.size)
+                    self._enqueue(key, item)
+                changed = True
+            return changed
+        finally:
+            self._update_sizes()
+            self._flush_changes()
+
+    @staticmethod
+    def _under(tree: RadixTree, entry: Entry, base: int) -> bool:
+        """Whether ``entry``'s chain reaches down to exactly ``base`` tokens."""
+        while len(entry.tokens) - 1 > base:
+            if entry.payload.base < base:
+                return False
+            if entry.payload.base == base:
+                return True
+            entry = tree.get(entry.tokens[: entry.payload.base + 1])
+        return len(entry.tokens) - 1 == base
+
+    @_locked
     def remove(self, ns_id: bytes, tokens: Sequence[int]) -> bool:
-        """Drop ``tokens`` from both tiers (no demotion). False if absent; pinned: KVStoreError."""
+        """Drop ``tokens`` from both tiers (no demotion), with the segments based on it.
+        False if absent; KVStoreError if it (or such a segment) is in use."""
         try:
             key = self._key(ns_id, tokens)
             found = False
-            self._dropping.add(key)
-            try:
-                for tree in (self._ram, self._disk):
-                    entry = tree.get(key)
-                    if entry is not None:
-                        if entry.pins:
-                            raise KVStoreError("cannot remove a prefix that is in use")
-                        tree.remove(key)
-                        found = True
-            finally:
-                self._dropping.discard(key)
+            for tree in (self._ram, self._disk):
+                if tree.get(key) is not None:
+                    if not self._drop_subtree(tree, key):
+                        raise KVStoreError("cannot remove a prefix that is in use")
+                    found = True
             return found
         finally:
             self._update_sizes()
@@ -723,12 +944,13 @@ class KVStore:
         try:
             if self.model_dir is None or self._writer is None:
                 return 0
-            count = sum(1 for _, item in self._queue if item.data is not None)
+            count = sum(1 for _, item, _ in self._queue if item.data is not None)
             entries = sorted(self._ram.entries(), key=lambda e: e.last_used)
+            entries.sort(key=lambda e: len(e.tokens))  # parents first (stable: LRU kept)
             for entry in entries:
                 if entry.stored and self._disk.get(entry.tokens) is None:
                     item: _RamItem = entry.payload
-                    if self._write_disk(item.ns_id, entry.tokens, item.data):
+                    if self._write_disk(item.ns_id, entry.tokens, item.data, item.base):
                         count += 1
             self._wait_drained(timeout)
             return count
@@ -766,7 +988,7 @@ class KVStore:
             drained = not self._queue
             # what is still queued (the write in progress included: its rename is skipped)
             # is dropped, so no write of this store lands after close returns
-            for _key, item in self._queue:
+            for _key, item, _gen in self._queue:
                 item.data = None
                 item.dropped = True
             self._queue.clear()
@@ -789,10 +1011,13 @@ class KVStore:
     @_locked
     def set_budgets(self, *, ram_bytes: int | None = None, disk_bytes: int | None = None) -> None:
         try:
-            if ram_bytes is not None:
-                self._ram.set_capacity(ram_bytes)
-            if disk_bytes is not None and self.model_dir is not None:
-                self._disk.set_capacity(disk_bytes)
+            for tree, cap in ((self._ram, ram_bytes), (self._disk, disk_bytes)):
+                if cap is None or (tree is self._disk and self.model_dir is None):
+                    continue
+                # evict leaves first: a parent is pinned by its segments until they go
+                while tree.used_bytes > cap and tree.evict(tree.used_bytes - cap):
+                    pass
+                tree.set_capacity(cap)
         finally:
             self._update_sizes()
             self._flush_changes()
@@ -817,11 +1042,24 @@ class KVStore:
         self._disk._check_invariants()
         if self.model_dir is not None:
             files = {p for p in self.model_dir.glob("*/*.kv")}
-            written = {e.payload.path for e in self._disk.entries() if e.payload.data is None}
+            entries = list(self._disk.entries())
+            written = {e.payload.path for e in entries if e.payload.on_disk}
             assert files == written, (files ^ written)
-            queued = sum(e.size_bytes for e in self._disk.entries() if e.payload.data is not None)
-            on_disk = sum(p.stat().st_size for p in files)
-            assert on_disk + queued == self._disk.used_bytes
+            current = sum(e.payload.path.stat().st_size for e in entries
+                          if e.payload.data is None)
+            queued = sum(e.size_bytes for e in entries if e.payload.data is not None)
+            assert current + queued == self._disk.used_bytes
+        for tree in (self._ram, self._disk):
+            for e in tree.entries():
+                kids = e.payload.children
+                assert e.pins >= len(kids)
+                for k in kids:
+                    child = tree.get(k)
+                    assert child is not None and child.tokens[: child.payload.base + 1] == (
+                        e.tokens)
+                if e.payload.base:
+                    parent = tree.get(e.tokens[: e.payload.base + 1])
+                    assert parent is not None and e.tokens in parent.payload.children
 
 
 def fsync_dir(path: Path) -> None:

@@ -300,7 +300,8 @@ def test_oversize_header_fields_are_refused(tmp_path):
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["put", "acquire", "remove", "flush", "restart", "crash"]),
+            st.sampled_from(["put", "segment", "acquire", "remove", "flush", "restart",
+                             "crash"]),
             st.sampled_from([NS_A, NS_B]),
             st.lists(st.integers(0, 3), min_size=1, max_size=5),
             st.integers(100, 3000),
@@ -315,16 +316,23 @@ def test_property_budgets_events_and_isolation(ops):
         s = make_store(root, ram=4000, disk=9000, events=events)
         model: dict[tuple, bytes] = {}  # what any restore may return, per (ns, tokens)
         for op, ns, toks, size in ops:
-            if op == "put":
-                data = state_for(toks, size) + ns
-                if s.put(ns, toks, data):
+            if op in ("put", "segment"):
+                # a segment holds only the tokens past the longest stored prefix
+                base = s.parent_length(ns, toks) if op == "segment" else 0
+                data = state_for(toks[base:], size // (2 if base else 1)) + ns
+                if s.put(ns, toks, data, base=base):
                     model[(ns, tuple(toks))] = data
             elif op == "acquire":
                 lease = s.acquire(ns, toks)
                 if lease is not None:
                     with lease:
-                        # the state belongs to this namespace and extends the query's prefix
-                        assert lease.data == model[(ns, lease.tokens)]
+                        # every segment belongs to this namespace and is the state stored for
+                        # its tokens; together they extend the query's prefix
+                        segs = lease.segments
+                        assert segs[0][0] == 0
+                        ends = [b for b, _ in segs[1:]] + [lease.entry_tokens]
+                        for (_, data), end in zip(segs, ends, strict=True):
+                            assert data == model[(ns, lease.tokens[:end])]
                         assert tuple(lease.tokens[: lease.length]) == tuple(toks[: lease.length])
             elif op == "remove":
                 s.remove(ns, toks)
@@ -357,9 +365,9 @@ class _GatedWriter:
         self.gate = threading.Event()
         original = KVStore._write_one
 
-        def gated(store, key, item, data):
+        def gated(store, *args):
             self.gate.wait()
-            original(store, key, item, data)
+            original(store, *args)
 
         monkeypatch.setattr(KVStore, "_write_one", gated)
 
@@ -432,3 +440,114 @@ def test_close_is_bounded_and_a_crash_leaves_valid_files(tmp_path, monkeypatch):
         s2._check_invariants()
     finally:
         s2.close()
+
+
+# ---------------------------------------------------------------- shared prefixes (segments)
+
+
+def put_chain(s, ns, prefix, suffixes, prefix_size=1000, suffix_size=100):
+    assert s.put(ns, prefix, state_for(prefix, prefix_size))
+    for suf in suffixes:
+        toks = prefix + suf
+        assert s.parent_length(ns, toks) == len(prefix)
+        assert s.put(ns, toks, state_for(suf, suffix_size), base=len(prefix))
+
+
+def test_segments_store_a_shared_prefix_once(tmp_path):
+    s = make_store(tmp_path, ram=100_000, disk=100_000)
+    prefix = list(range(10))
+    sufs = [[100 + i, 7] for i in range(5)]
+    put_chain(s, NS_A, prefix, sufs)
+    # bytes grow with unique tokens: one prefix + five 2-token segments
+    assert s.ram_used_bytes == 1000 + 4 * 11 + 5 * (100 + 4 * 13)
+    with s.acquire(NS_A, prefix + sufs[3] + [9]) as lease:
+        assert lease.segments == [(0, state_for(prefix, 1000)), (10, state_for(sufs[3], 100))]
+        assert (lease.length, lease.entry_tokens) == (12, 12)
+    with s.acquire(NS_A, prefix + [55]) as lease:  # the parent alone
+        assert lease.segments == [(0, state_for(prefix, 1000))] and lease.length == 10
+    s.flush_to_disk()
+    s._check_invariants()
+    # after a restart the chain comes from disk, file by file (each verified)
+    s2 = make_store(tmp_path, ram=100_000, disk=100_000)
+    with s2.acquire(NS_A, prefix + sufs[1]) as lease:
+        assert lease.tier == "disk"
+        assert lease.segments == [(0, state_for(prefix, 1000)), (10, state_for(sufs[1], 100))]
+    assert s2.stats.promotions == 2  # the chain is in RAM now
+    with s2.acquire(NS_A, prefix + sufs[1]) as lease:
+        assert lease.tier == "ram"
+    s2._check_invariants()
+
+
+def test_a_parent_is_evicted_only_after_its_segments(tmp_path):
+    events: list[StoreChange] = []
+    s = make_store(tmp_path, ram=1000 + 44 + 3 * 152, disk=0, events=events)
+    prefix = list(range(10))
+    put_chain(s, NS_A, prefix, [[100 + i, 7] for i in range(3)])
+    s.put(NS_B, [1], state_for([1], 300))  # needs room: segments go first, LRU order
+    assert s.contains(NS_A, prefix) == "ram"
+    assert s.contains(NS_A, prefix + [100, 7]) is None
+    s._check_invariants()
+    s.put(NS_B, [2], state_for([2], 900))  # now the parent goes too (after its last segment)
+    assert s.contains(NS_A, prefix) is None
+    assert all(s.contains(NS_A, prefix + [100 + i, 7]) is None for i in range(3))
+    removed = [e.tokens for e in events if e.kind == "remove"]
+    assert removed.index(tuple(prefix)) == len(removed) - 1
+    s._check_invariants()
+
+
+def test_segment_without_its_parent_is_useless_and_removed(tmp_path, caplog):
+    s = make_store(tmp_path, ram=100_000, disk=100_000)
+    prefix = list(range(10))
+    put_chain(s, NS_A, prefix, [[100, 7], [101, 7]])
+    s.flush_to_disk()
+    parent_file = s._disk.get(s._key(NS_A, prefix)).payload.path
+    # damaged parent: found on first load, the whole chain is dropped (a miss, no error)
+    _damage(parent_file, "flip-payload")
+    s2 = make_store(tmp_path, ram=100_000, disk=100_000)
+    assert s2.acquire(NS_A, prefix + [100, 7]) is None
+    assert s2.contains(NS_A, prefix + [101, 7]) is None and len(files(s2)) == 0
+    s2._check_invariants()
+    # missing parent file: its segments are refused at start
+    s3 = make_store(tmp_path, ram=100_000, disk=100_000)
+    put_chain(s3, NS_A, prefix, [[100, 7]])
+    s3.flush_to_disk()
+    s3._disk.get(s3._key(NS_A, prefix)).payload.path.unlink()
+    s4 = make_store(tmp_path, ram=100_000, disk=100_000)
+    assert s4.prefixes() == [] and files(s4) == []
+    assert "segment whose parent state is missing" in caplog.text
+
+
+def test_remove_takes_the_segments_along(tmp_path):
+    s = make_store(tmp_path, ram=100_000, disk=100_000)
+    prefix = list(range(10))
+    put_chain(s, NS_A, prefix, [[100, 7], [101, 7]])
+    lease = s.acquire(NS_A, prefix + [100, 7])
+    with pytest.raises(KVStoreError, match="in use"):
+        s.remove(NS_A, prefix)
+    lease.release()
+    assert s.remove(NS_A, prefix)
+    assert s.prefixes() == []
+    assert s.wait_written()
+    s._check_invariants()
+
+
+def test_rebase_moves_a_longer_state_onto_a_new_branch_point(tmp_path):
+    s = make_store(tmp_path, ram=100_000, disk=100_000)
+    long = list(range(20))
+    assert s.put(NS_A, long, state_for(long, 2000))
+    # a second prompt diverges after 10 tokens: the branch point becomes an entry
+    assert s.branch_point(NS_A, long[:10] + [99, 98]) == (10, tuple(long), 0)
+    assert s.put(NS_A, long[:10], state_for(long[:10], 1000))
+    assert s.put(NS_A, long[:10] + [99, 98], state_for([99, 98], 100), base=10)
+    assert s.rebase(NS_A, long, 10, state_for(long[10:], 1000))
+    assert s.ram_used_bytes == (1000 + 44) + (100 + 52) + (1000 + 84)
+    with s.acquire(NS_A, long) as lease:
+        assert lease.segments == [(0, state_for(long[:10], 1000)),
+                                  (10, state_for(long[10:], 1000))]
+    assert s.wait_written()
+    s._check_invariants()
+    s2 = make_store(tmp_path, ram=100_000, disk=100_000)
+    with s2.acquire(NS_A, long) as lease:
+        assert lease.tier == "disk" and [b for b, _ in lease.segments] == [0, 10]
+        assert lease.segments[1][1] == state_for(long[10:], 1000)
+    s2._check_invariants()
