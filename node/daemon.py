@@ -89,6 +89,7 @@ from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
 from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
 from prefixmesh.overlay.digestexchange import ExchangeSettings
 from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
+from prefixmesh.overlay.events import ObserverFanout
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat
 from prefixmesh.overlay.host import (
@@ -104,6 +105,7 @@ from prefixmesh.overlay.partgossip import PartitionGossip
 from .http_gateway import serve_node_http
 from .locks import LockError, lock_cache_dir, lock_key_file
 from .logsetup import configure_logging
+from .requestlog import RequestLog
 from .tenants import TenantRegistry
 
 __all__ = ["NodeOptions", "Node", "run_node", "main"]
@@ -124,13 +126,18 @@ def _exit_now(status: int, why: str) -> None:
     os._exit(status)
 
 
-def _arm_exit_watchdog(budget_s: float) -> threading.Timer:
-    """A daemon thread that ends the process ``budget_s`` from now (a stop that hangs)."""
-    timer = threading.Timer(budget_s, _exit_now, (0, f"shutdown did not finish within "
-                                                     f"{budget_s:.1f} s: exiting now"))
-    timer.daemon = True
-    timer.start()
-    return timer
+def _start_exit_watchdog(armed: threading.Event, budget_s: float) -> None:
+    """A daemon thread that ends the process ``budget_s`` after ``armed`` is set (a stop
+    that hangs). Started in advance: the signal handler only sets an Event, which is
+    safe there (starting a thread from a signal handler could deadlock on threading's
+    own locks, and waiting for the trio loop to do it fails when the loop is stuck)."""
+
+    def watch() -> None:
+        armed.wait()
+        time.sleep(budget_s)
+        _exit_now(0, f"shutdown did not finish within {budget_s:.1f} s: exiting now")
+
+    threading.Thread(target=watch, name="prefixmesh-exit-watchdog", daemon=True).start()
 
 
 @dataclass
@@ -171,8 +178,12 @@ def _make_backend(config, options: NodeOptions) -> Backend:
             decode_tps=options.sim_decode_tps,
             capacity_bytes=config.node.ram_budget,
         )
+    from prefixmesh.inference.model import resolve_model
+
     return LlamaBackend(
-        model_path=config.model.path,
+        # the default model is fetched here with pip's progress on stderr (a first start
+        # downloads 93 MB: silence would look like a hang)
+        model_path=config.model.path or resolve_model(None, progress=True),
         n_ctx=config.model.n_ctx,
         n_threads=config.model.n_threads or None,
         n_gpu_layers=config.model.n_gpu_layers,
@@ -248,6 +259,9 @@ class Node:
             random.Random(self.options.seed),
             self.identity.peer_id,
         )
+        # every consumer of request events (the per-request log line, metrics, dashboard)
+        # hangs off this one fan-out (overlay/events.py)
+        self.observers = ObserverFanout([RequestLog(self.identity.peer_id)])
         self.infer = InferService(
             host=self.host,
             backend=self.backend,
@@ -503,19 +517,35 @@ class Node:
             pass
 
     async def _watch_signals(self) -> None:
+        """SIGINT/SIGTERM: the first starts the graceful stop and arms the watchdog, a
+        second exits at once. Plain Python handlers, not ``trio.open_signal_receiver``:
+        they run within milliseconds even while the trio loop is busy, so two signals
+        are two (a receiver whose task had not run yet merged them into one), and
+        ``TrioToken.run_sync_soon`` is documented as safe to call from a handler."""
         if sys.platform == "win32":  # pragma: no cover
             return
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            signum = 0
-            async for signum in signals:  # noqa: B007 - the first one is all we wait for
-                break
-        # the receiver is closed (it restores the previous handlers), so from here on
-        # another SIGINT/SIGTERM must not wait for the graceful stop: exit at once
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda n, _f: _exit_now(130, f"signal {n} again: exiting now"))
+        token = trio.lowlevel.current_trio_token()
+        requested = trio.Event()
+        armed = threading.Event()
+        received: list[int] = []
+        _start_exit_watchdog(armed, SHUTDOWN_BUDGET_S - 0.2)  # margin: the teardown
+
+        def on_signal(signum: int, _frame) -> None:
+            received.append(signum)
+            if len(received) > 1:
+                _exit_now(130, f"signal {signum} again: exiting now")
+            armed.set()
+            token.run_sync_soon(requested.set)
+
+        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            await requested.wait()
+        finally:
+            if not received:  # stopped for another reason: leave the handlers as they were
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
         log.info("signal %s: shutting down (at most %.0f s; signal again to exit at once)",
-                 signum, SHUTDOWN_BUDGET_S)
-        _arm_exit_watchdog(SHUTDOWN_BUDGET_S - 0.2)  # margin: the process's own teardown
+                 received[0], SHUTDOWN_BUDGET_S)
         await self.shutdown()
 
     async def shutdown(self, grace_s: float = _INFLIGHT_GRACE_S) -> None:
@@ -617,6 +647,7 @@ def run_node(config, options: NodeOptions | None = None) -> int:
     from prefixmesh.overlay.core.identity import IdentityError
 
     locks = []
+    failed = True
     try:
         # before the key is read or created: two nodes started at once cannot both
         # create (or both use) one identity; the cache dir lock also names a cache dir
@@ -630,6 +661,7 @@ def run_node(config, options: NodeOptions | None = None) -> int:
             await node.run()
 
         trio.run(main)
+        failed = False
     except (IdentityError, ModelFetchError, BackendError, OSError, HostError,
             LockError) as exc:
         # configuration and environment problems: one clear line, no traceback
@@ -641,8 +673,9 @@ def run_node(config, options: NodeOptions | None = None) -> int:
             return 1
         raise
     finally:
-        for lock in locks:
-            lock.release()
+        for lock in reversed(locks):
+            # a start that failed leaves no lock files or folders of its own behind
+            lock.undo() if failed else lock.release()
     return 0
 
 

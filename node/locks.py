@@ -12,6 +12,12 @@ Each lock file holds the holder's PID, so the refusal names the process. ``flock
 belong to the open file and vanish when the process dies (even by SIGKILL): a stale lock
 file never blocks a later start. Paths are resolved first, so a symlink or a relative
 path to the same file is the same lock.
+
+A start that fails (a bad key file, a port in use, ...) calls :meth:`NodeLock.undo`:
+the lock files and folders that this start created are removed again, so a refused
+configuration leaves nothing behind. A normal stop keeps the lock files (unlinking a
+lock file that another process may be opening at that moment could let two processes
+hold "the" lock).
 """
 
 from __future__ import annotations
@@ -33,13 +39,16 @@ class NodeLock:
     """An exclusive flock on ``path`` (created mode 0600) holding our PID; ``what`` names
     the protected thing in messages (e.g. "key file /x/node.key")."""
 
-    def __init__(self, path: Path, what: str, hint: str):
+    def __init__(self, path: Path, what: str, hint: str, made_dirs: list[Path] | None = None):
         self.path = path
         self.what = what
         self.hint = hint
+        self.made_dirs = made_dirs or []  # folders created for this lock, outermost first
+        self.created = False  # the lock file did not exist before
         self._fd: int | None = None
 
     def acquire(self) -> NodeLock:
+        self.created = not self.path.exists()
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as exc:
@@ -68,6 +77,17 @@ class NodeLock:
                 os.ftruncate(fd, 0)  # no stale PID for the next reader
             os.close(fd)  # closing drops the flock
 
+    def undo(self) -> None:
+        """Release, and remove what this start created (a start that failed)."""
+        held = self.held
+        self.release()
+        if held and self.created:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        for d in reversed(self.made_dirs):
+            with contextlib.suppress(OSError):  # only if empty
+                d.rmdir()
+
     @property
     def held(self) -> bool:
         return self._fd is not None
@@ -93,18 +113,33 @@ def lock_key_file(path: Path) -> NodeLock:
     parent = path.parent
     if parent.exists() and not parent.is_dir():
         raise LockError(f"key file {path}: {parent} is not a directory")
-    if not parent.exists():  # like save_identity: directories holding keys are private
+    made = _missing_dirs(parent)
+    if made:  # like save_identity: directories holding keys are private
         try:
-            parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for d in made:
+                d.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise LockError(f"key file {path}: cannot create {parent}: {exc.strerror}") from None
     return NodeLock(parent / f"{path.name}.lock", f"key file {path}",
-                    "give this node its own key ([node].key_file, --key-file)").acquire()
+                    "give this node its own key ([node].key_file, --key-file)",
+                    made).acquire()
 
 
-def check_cache_dir(path: Path) -> Path:
-    """``path`` resolved and created if missing; :class:`LockError` if it is not a folder."""
-    path = Path(path).expanduser()
+def _missing_dirs(path: Path) -> list[Path]:
+    """The folders that creating ``path`` would create, outermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing[::-1]
+
+
+def check_cache_dir(path: Path, made: list[Path] | None = None) -> Path:
+    """``path`` resolved and created if missing (the folders created are appended to
+    ``made``); :class:`LockError` if it is not a folder."""
+    path = Path(path).expanduser().absolute()
+    if made is not None:
+        made.extend(_missing_dirs(path))
     if path.exists() and not path.is_dir():
         raise LockError(f"cache directory {path} exists but is not a directory; "
                         "remove it or choose another ([node].cache_dir, --cache-dir)")
@@ -123,7 +158,8 @@ def check_cache_dir(path: Path) -> Path:
 
 def lock_cache_dir(path: Path) -> NodeLock:
     """Lock the cache directory (created if missing); raises :class:`LockError`."""
-    path = check_cache_dir(path)
+    made: list[Path] = []
+    path = check_cache_dir(path, made)
     return NodeLock(path / "node.lock", f"cache directory {path}",
                     "give this node its own cache directory ([node].cache_dir, "
-                    "--cache-dir)").acquire()
+                    "--cache-dir)", made).acquire()

@@ -3,7 +3,9 @@ the real default model) on 127.0.0.1.
 
 - SIGTERM / SIGINT stop the node within the 3 s budget with mDNS on (the default), with
   mDNS off and an unreachable bootstrap peer, and with a request in flight (which ends
-  with an ERROR frame ``shutting_down``). The bound asserted is 10 s, generous enough for
+  with an ERROR frame ``shutting_down``), and with a peer frozen by SIGSTOP; a second
+  SIGINT exits at once (status 130); the KV cache written at the stop is reused after a
+  restart. The bound asserted is 10 s, generous enough for
   a loaded 2-core machine and short enough to catch the old hang (it never exited);
   measured durations are printed (``-s``) and recorded in docs/OPERATIONS.md.
 - A fixed listen port that another node holds, a key file or a cache directory another
@@ -28,7 +30,7 @@ import pytest
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _swarm import NodeProc, Swarm, wait_until  # noqa: E402
+from _swarm import NodeProc, Swarm, ask, wait_until  # noqa: E402
 
 from prefixmesh.node.client import Client, RequestFailed  # noqa: E402
 
@@ -200,3 +202,51 @@ def test_copied_key_file_at_another_address_is_reported(tmp_path):
 
         line = wait_until(reported, 30, what="the duplicate identity error")
         assert "ERROR" in line and a_transport in line and b_transport in line, line
+
+
+def test_sigterm_with_a_frozen_peer_stops(tmp_path):
+    # a SIGSTOPped peer keeps its connection open: reads from it block forever
+    with Swarm(tmp_path) as swarm:
+        a = swarm.add("a")
+        b = swarm.add("b", bootstrap=[a.addr])
+        time.sleep(2.0)  # heartbeats and digests flow between them
+        b.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        took, rc = _stop(a, signal.SIGTERM)
+        assert rc == 0, a.log_tail()
+        assert took < STOP_BOUND_S
+
+
+def test_second_sigint_exits_at_once(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a", mdns=True)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        node.send_signal(signal.SIGINT)
+        time.sleep(0.2)  # the graceful stop is under way (it takes 0.7 s and more)
+        node.send_signal(signal.SIGINT)
+        rc = node.proc.wait(STOP_BOUND_S)
+        print(f"\nexited {time.monotonic() - t0:.2f} s after the first SIGINT, status {rc}")
+        assert rc == 130, node.log_tail()
+        assert "again: exiting now" in node.log_tail()
+
+
+SYSTEM = ("You are the assistant of the Harbour Town ferry office. Ferries leave at 7:00, "
+          "9:30, 12:00, 15:30 and 18:00 on weekdays, and at 9:30 and 15:30 on weekends. "
+          "A single ticket costs 4 euros, a return 7, bicycles ride free, dogs cost 1 euro. "
+          "Answer in one short sentence.")
+
+
+def test_kv_cache_survives_a_sigterm(tmp_path):
+    messages = [("system", SYSTEM), ("user", "When is the first ferry on Saturday?")]
+    with Swarm(tmp_path) as swarm:
+        node = swarm.add("a")
+        first = ask(node.addr, messages, max_tokens=4)
+        assert first.final.cached_tokens == 0
+        took, rc = _stop(node, signal.SIGTERM)
+        assert rc == 0 and took < STOP_BOUND_S
+    with Swarm(tmp_path) as swarm:  # same key, same cache directory
+        node = swarm.add("a")
+        again = ask(node.addr, messages, max_tokens=4)
+        assert again.final.cached_tokens > 0, node.log_tail()
+        assert again.text == first.text  # greedy: a restored state answers the same
