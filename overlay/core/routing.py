@@ -761,11 +761,9 @@ class PrefixMeshPolicy(_PolicyBase):
 
     name = "prefixmesh"
 
-    def decide(self, ctx: RouteContext) -> Decision:
+    def _screen(self, ctx: RouteContext) -> tuple[list[tuple[float, bytes]], dict, str]:
+        """The eligible candidates' (cost, peer), candidates by peer, and what was skipped."""
         cfg = self.config
-        local = local_cost_s(ctx)
-        if ctx.hop_budget <= 0:
-            return _serve(f"{self.name}: serve, hop budget exhausted", local)
         bound = load_bound(ctx, cfg.load_epsilon, cfg.load_slack)
         placed_bound = (
             placement_bound(ctx, cfg.load_epsilon, cfg.placement_slack)
@@ -787,13 +785,21 @@ class PrefixMeshPolicy(_PolicyBase):
             else:
                 scored.append((candidate_cost_s(ctx, c), c.peer))
                 by_peer[c.peer] = c
-        required = cfg.margin_s + cfg.margin_frac * local
         skipped = (
             f"{len(ctx.candidates)} candidates: {n_visited} visited, "
             f"{n_untrusted} under trust floor {cfg.trust_floor:g}, "
             f"{n_overloaded} over load bound {bound:g}"
             + (f", {n_hot} over placement bound {placed_bound:.2f}" if n_hot else "")
         )
+        return scored, by_peer, skipped
+
+    def decide(self, ctx: RouteContext) -> Decision:
+        cfg = self.config
+        local = local_cost_s(ctx)
+        if ctx.hop_budget <= 0:
+            return _serve(f"{self.name}: serve, hop budget exhausted", local)
+        scored, by_peer, skipped = self._screen(ctx)
+        required = cfg.margin_s + cfg.margin_frac * local
         # A hot node sheds: any eligible peer no worse than local by more than
         # ``margin_s`` will do (serving here is what is overloaded). Only the absolute
         # margin: a relative one would let high-RTT hops through.
@@ -832,23 +838,27 @@ class PrefixMeshPolicy(_PolicyBase):
                     local,
                 )
         fallbacks = tuple(p for _, p in ranked[1 : 1 + cfg.max_fallbacks])
-        reason = (
-            f"{self.name}: forward to {peer_label(peer)}, est {cost:.3f}s vs local "
-            f"{local:.3f}s ("
-            + (
-                f"shedding: {ctx.recent_forwarded_in:.2f} recent requests in from peers vs "
-                f"{ctx.recent_placed_total - ctx.recent_placed_local:.2f} out, loses "
-                f"{cost - local:.3f}s < margin "
-                f"{cfg.margin_s:.3f}s; "
-                if shedding
-                else f"saves {local - cost:.3f}s > required {required:.3f}s; "
-            )
-            + f"match {c.matched_tokens} tok x trust {c.trust:g} vs local "
+        reason = self._forward_reason(ctx, c, cost, local, required, shedding, skipped,
+                                      len(fallbacks))  # fmt: skip
+        return Decision(FORWARD, peer, reason, local, cost, fallbacks)
+
+    def _forward_reason(self, ctx: RouteContext, c: Candidate, cost: float, local: float,
+                        required: float, shedding: bool, skipped: str, n_fallbacks: int) -> str:
+        cfg = self.config
+        why = (
+            f"shedding: {ctx.recent_forwarded_in:.2f} recent requests in from peers vs "
+            f"{ctx.recent_placed_total - ctx.recent_placed_local:.2f} out, loses "
+            f"{cost - local:.3f}s < margin {cfg.margin_s:.3f}s; "
+            if shedding
+            else f"saves {local - cost:.3f}s > required {required:.3f}s; "
+        )
+        return (
+            f"{self.name}: forward to {peer_label(c.peer)}, est {cost:.3f}s vs local "
+            f"{local:.3f}s ({why}match {c.matched_tokens} tok x trust {c.trust:g} vs local "
             f"{ctx.local_matched_tokens} of {ctx.prompt_tokens}; queue {c.queue_wait_s:.3f}s, "
             f"rtt {c.rtt_s:.3f}s, load {c.load:g}); {skipped}; "
-            f"{len(fallbacks)} fallbacks"
+            f"{n_fallbacks} fallbacks"
         )
-        return Decision(FORWARD, peer, reason, local, cost, fallbacks)
 
 
 class PaperPolicy(_PolicyBase):
