@@ -262,6 +262,10 @@ class Client:
 
     @staticmethod
     def describe_error(exc: BaseException) -> str:
+        if isinstance(exc, RequestFailed) and exc.code == "deadline":
+            # the node gave up at the client's deadline: say which knob sets it
+            return (f"no complete answer within the deadline (--timeout, "
+                    f"[client].timeout_s): {exc.message}")
         if isinstance(exc, RequestFailed):
             return f"the node refused or failed the request ({exc.code}): {exc.message}"
         if isinstance(exc, ClientError):
