@@ -209,13 +209,13 @@ def _warn_cpu_only_offload(n_gpu_layers: int, backend: str) -> None:
 async def _progress(what: str, logger: logging.Logger, every_s: float = 2.0):
     """Log ``what ...`` and, while it lasts, ``still WHAT (N s)`` every ``every_s``; the
     operator of a node that is slow to start sees why (model load, KV file checks)."""
-    t0 = time.monotonic()
+    t0 = trio.current_time()
     logger.info("%s ...", what)
 
     async def tick() -> None:
         while True:
             await trio.sleep(every_s)
-            logger.info("still %s (%.0f s)", what, time.monotonic() - t0)
+            logger.info("still %s (%.0f s)", what, trio.current_time() - t0)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tick)
@@ -223,7 +223,7 @@ async def _progress(what: str, logger: logging.Logger, every_s: float = 2.0):
             yield
         finally:
             nursery.cancel_scope.cancel()
-    logger.info("%s: done in %.1f s", what, time.monotonic() - t0)
+    logger.info("%s: done in %.1f s", what, trio.current_time() - t0)
 
 
 class Node:
@@ -283,6 +283,7 @@ class Node:
                             fraction=self.options.spot_check_fraction)
                 if self.options.spot_check_fraction > 0 else None
             ),
+            observer=self.observers,
         )
         if self.options.fault:
             log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", self.options.fault)
