@@ -101,6 +101,10 @@ log = logging.getLogger(__name__)
 # KV cache element types offered (GGML type ids); see docs/bench/engine.md for measurements
 KV_TYPES = {"f16": 1, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
 
+# Sequence 0 serves requests; sequence 1 is scratch for moving segment states in and out
+# (a unified KV cache, so llama_memory_seq_cp between them only relabels cells).
+_N_SEQ = 2
+
 _EWMA_ALPHA = 0.3
 _MIN_PREFILL_FOR_RATE = 16
 _load_lock = threading.Lock()
@@ -372,7 +376,8 @@ class Engine:
             b"prefixmesh-kv-state/v1\x00"
             + self.model_fingerprint
             + f"|llama-cpp-python={llama_cpp.__version__}|flash_attn={cfg.flash_attn}"
-            f"|type_k={cfg.type_k}|type_v={cfg.type_v}|extra_bufts=0|swa_full=1".encode(),
+            f"|type_k={cfg.type_k}|type_v={cfg.type_v}|extra_bufts=0|swa_full=1"
+            f"|n_seq_max={_N_SEQ}|kv_unified=1|segments=1".encode(),
             digest_size=FINGERPRINT_BYTES,
         ).digest()
         kv_dir = Path(cfg.kv_dir) if cfg.kv_dir is not None else cache_dir() / "kv"
@@ -622,13 +627,22 @@ class Engine:
         cfg = self.config
         with _load_lock:
             original = lib.llama_model_default_params
+            original_ctx = lib.llama_context_default_params
 
             def params_without_repacking():
                 p = original()
                 p.use_extra_bufts = False  # batch-split-independent kernels (see docstring)
                 return p
 
+            def context_params_two_sequences():
+                # Llama() exposes neither n_seq_max nor kv_unified
+                p = original_ctx()
+                p.n_seq_max = _N_SEQ
+                p.kv_unified = True
+                return p
+
             lib.llama_model_default_params = params_without_repacking
+            lib.llama_context_default_params = context_params_two_sequences
             try:
                 llama = llama_cpp.Llama(
                     model_path=str(self.model_path),
@@ -650,6 +664,7 @@ class Engine:
                 raise ModelLoadError(f"llama.cpp could not load {self.model_path}: {exc}") from exc
             finally:
                 lib.llama_model_default_params = original
+                lib.llama_context_default_params = original_ctx
         self._lib = lib
         self._llama = llama
         if cfg.n_gpu_layers != 0 or log.isEnabledFor(logging.DEBUG):
@@ -714,31 +729,60 @@ class Engine:
         ptr = self._lib.llama_get_logits_ith(self._ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
 
-    def _snapshot(self) -> ctypes.Array:
+    def _snapshot(self, seq: int = 0) -> ctypes.Array:
         lib = self._lib
-        size = lib.llama_state_seq_get_size(self._ctx, 0)
+        size = lib.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
-        n = lib.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        n = lib.llama_state_seq_get_data(self._ctx, buf, size, seq)
         if n != size:
             raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
         return buf
 
-    def _restore(self, lease: Lease, length: int) -> bool:
-        """Load ``lease``'s state into sequence 0 and cut it to ``length`` tokens."""
-        data = lease.data
+    def _segment_state(self, start: int, end: int) -> ctypes.Array:
+        """The state of the context's cells at positions [start, end) alone: they are
+        labelled sequence 1 too, saved as that sequence, and unlabelled again."""
+        lib, mem = self._lib, self._mem
+        lib.llama_memory_seq_rm(mem, 1, -1, -1)
+        lib.llama_memory_seq_cp(mem, 0, 1, start, end)
+        try:
+            return self._snapshot(1)
+        finally:
+            lib.llama_memory_seq_rm(mem, 1, -1, -1)
+
+    @staticmethod
+    def _as_buffer(data) -> ctypes.Array:
         if isinstance(data, ctypes.Array):
-            buf = data
-        elif isinstance(data, bytearray):
-            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
-        else:
-            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        n = self._lib.llama_state_seq_set_data(self._ctx, buf, len(data), 0)
-        if n == 0:
-            self._lib.llama_memory_clear(self._mem, True)
-            return False
-        if lease.entry_tokens > length:
-            if not self._lib.llama_memory_seq_rm(self._mem, 0, length, -1):
-                self._lib.llama_memory_clear(self._mem, True)
+            return data
+        if isinstance(data, bytearray):
+            return (ctypes.c_uint8 * len(data)).from_buffer(data)
+        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+
+    def _restore(self, lease: Lease, length: int) -> bool:
+        """Load ``lease``'s chain of states into sequence 0 and cut it to ``length`` tokens.
+
+        The first state (a whole prefix) goes straight into sequence 0; each further
+        segment (tokens [base, next base)) into the empty sequence 1, whose cells are then
+        relabelled sequence 0 (``seq_cp`` + ``seq_rm``). Cells land in the order a cold
+        prefill would put them, so greedy outputs stay bit-identical (tested)."""
+        lib, mem = self._lib, self._mem
+        lib.llama_memory_clear(mem, True)
+        held = 0
+        for i, (base, data) in enumerate(lease.segments):
+            if base >= length:
+                break  # the rest is past what this request uses
+            buf = self._as_buffer(data)
+            seq = 0 if i == 0 else 1
+            if lib.llama_state_seq_set_data(self._ctx, buf, len(buf), seq) == 0:
+                lib.llama_memory_clear(mem, True)
+                return False
+            if seq == 1:
+                lib.llama_memory_seq_cp(mem, 1, 0, -1, -1)
+                lib.llama_memory_seq_rm(mem, 1, -1, -1)
+            nxt = lease.segments[i + 1][0] if i + 1 < len(lease.segments) else None
+            held = nxt if nxt is not None else lease.entry_tokens
+        if held > length:
+            if not lib.llama_memory_seq_rm(mem, 0, length, -1):
+                lib.llama_memory_clear(mem, True)
                 return False
         return True
 
@@ -880,26 +924,51 @@ class Engine:
 
     def _save_snapshots(self, ns_id: bytes, tokens: Sequence[int], points: list[int],
                         stats: RequestStats) -> None:
-        """Save the context's state cut back to each point, longest first.
+        """Save each snapshot point as a segment on the longest stored prefix of it.
 
-        Taken after generation, so it costs no time to first token: cutting the context
-        with ``llama_memory_seq_rm`` leaves the cells of earlier positions untouched, so
-        the saved state is exactly the body prefix as the prefill computed it. The context
-        is cleared at the start of the next request anyway.
+        Taken after generation, so it costs no time to first token; the context's cells of
+        a body prefix are exactly what the prefill computed (generation only appends).
+        Prefix sharing: a point's state holds only the tokens past the longest stored prefix
+        of it (:meth:`KVStore.parent_length`). When the prompt diverged from a stored state
+        at L tokens (it was served from that state cut back to L), L becomes a stored prefix
+        of its own (the *branch point*) and, after the snapshots, the other state is rebased
+        onto it (:meth:`_rebase`), so the shared L tokens end up stored once.
         """
         t0 = time.perf_counter()
-        # decide before saving: this request's own longer snapshot must not make its shorter
-        # points look covered
-        todo = [p for p in sorted(points, reverse=True)
-                if not self.store.covered(ns_id, tokens[:p])]
+        store, min_share = self.store, self.config.min_snapshot_tokens
+        # decide before saving: this request's own snapshots must not make its other points
+        # look covered; parents (shorter points) are saved first
+        todo = [p for p in sorted(points) if not store.covered(ns_id, tokens[:p])]
+        rebase = None
         for point in todo:
             prefix = tokens[:point]
-            if not self._lib.llama_memory_seq_rm(self._mem, 0, point, -1):
-                log.warning("could not cut the context back to %d tokens for a snapshot", point)
-                break
-            if self.store.put(ns_id, prefix, self._snapshot()):
+            base = store.parent_length(ns_id, prefix)
+            split, other, other_base = store.branch_point(ns_id, prefix)
+            if other is not None and split - base >= min_share and other_base <= base:
+                if store.put(ns_id, prefix[:split], self._segment_state(base, split), base=base):
+                    stats.snapshots_saved += 1
+                    if other_base == base:
+                        rebase = (other, split)
+                    base = split
+            if store.put(ns_id, prefix, self._segment_state(base, point), base=base):
                 stats.snapshots_saved += 1
+        if rebase is not None:
+            self._rebase(ns_id, *rebase)
         stats.snapshot_s = time.perf_counter() - t0
+
+    def _rebase(self, ns_id: bytes, tokens: tuple[int, ...], split: int) -> None:
+        """Replace the stored state of ``tokens`` by its segment past ``split`` (now a stored
+        prefix): restore it whole (the request is done with the context), save [split, end)."""
+        lease = self.store.acquire(ns_id, tokens)
+        if lease is None:
+            return
+        try:
+            if lease.entry_tokens != len(tokens) or not self._restore(lease, len(tokens)):
+                return
+            self.store.rebase(ns_id, tokens, split, self._segment_state(split, len(tokens)))
+        finally:
+            lease.release()
+            self._lib.llama_memory_clear(self._mem, True)
 
 
 def _ewma(old: float, new: float) -> float:

@@ -1,0 +1,99 @@
+"""Prefix-shared KV storage with the REAL model: prompts behind one shared prefix store it
+once (segments on a branch point, the first prompt's state rebased onto it), and greedy
+outputs through these chains, from RAM and from disk, equal cold runs token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from _model_fixture import TEST_THREADS, default_model_path
+
+from prefixmesh.inference.engine import Engine, SamplingParams
+
+P, S, K = 160, 16, 5
+EIGHT = SamplingParams(max_tokens=8)
+
+
+def make_engine(kv_dir, **kw) -> Engine:
+    kw.setdefault("ram_budget_bytes", 256 << 20)
+    kw.setdefault("disk_budget_bytes", 1 << 30 if kv_dir is not None else 0)
+    return Engine(model_path=default_model_path(), n_ctx=512, n_threads=TEST_THREADS,
+                  kv_dir=kv_dir, fsync=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(11)
+    prefix = [rng.randrange(100, 40000) for _ in range(P)]
+    # body = prefix + S suffix tokens; the last prompt token is evaluated on its own
+    return [prefix + [rng.randrange(100, 40000) for _ in range(S + 1)] for _ in range(K)]
+
+
+@pytest.fixture(scope="module")
+def cold_outputs(prompts):
+    cold = make_engine(None, ram_budget_bytes=0)
+    try:
+        return [cold.complete_tokens(p, params=EIGHT).tokens for p in prompts]
+    finally:
+        cold.close(flush=False)
+
+
+def test_shared_prefix_is_stored_once_and_outputs_match_cold(tmp_path, prompts, cold_outputs):
+    eng = make_engine(tmp_path)
+    ns = eng.default_namespace
+    try:
+        first = eng.complete_tokens(prompts[0], params=EIGHT)
+        per_token = eng.store.ram_used_bytes / (P + S)
+        assert first.tokens == cold_outputs[0]
+        for p, want in zip(prompts[1:], cold_outputs[1:], strict=True):
+            c = eng.complete_tokens(p, params=EIGHT)
+            assert c.stats.cached_tokens == P  # the shared prefix, restored
+            assert c.tokens == want
+        # the second prompt made the prefix a branch point and rebased the first onto it
+        key = eng.store._key(ns.id, prompts[0][: P + S])
+        assert eng.store._ram.get(key).payload.base == P
+        ideal = (P + K * S) * per_token
+        assert abs(eng.store.ram_used_bytes - ideal) <= 0.10 * ideal
+        assert eng.store.wait_written()
+        assert abs(eng.store.disk_used_bytes - ideal) <= 0.10 * ideal
+        # each prompt again, now through its two-segment chain
+        for p, want in zip(prompts, cold_outputs, strict=True):
+            c = eng.complete_tokens(p, params=EIGHT)
+            assert c.stats.hit_tier == "ram" and c.stats.cached_tokens == P + S
+            assert c.tokens == want
+        eng.store._check_invariants()
+    finally:
+        eng.close()
+    # after a restart the chains come from disk, file by file
+    eng2 = make_engine(tmp_path)
+    try:
+        for p, want in zip(prompts, cold_outputs, strict=True):
+            c = eng2.complete_tokens(p, params=EIGHT)
+            assert c.stats.cached_tokens == P + S and c.tokens == want
+        assert eng2.store.stats.hits_disk >= 1
+        eng2.store._check_invariants()
+    finally:
+        eng2.close(flush=False)
+
+
+def test_truncating_a_chain_inside_its_first_segment_matches_cold(tmp_path, prompts):
+    eng = make_engine(tmp_path)
+    cold = make_engine(None, ram_budget_bytes=0)
+    try:
+        for p in prompts[:2]:
+            eng.complete_tokens(p, params=EIGHT)
+        # a prompt sharing only 100 tokens: served from the chain cut back inside the prefix
+        rng = random.Random(5)
+        q = prompts[0][:100] + [rng.randrange(100, 40000) for _ in range(30)]
+        c = eng.complete_tokens(q, params=EIGHT)
+        assert c.stats.cached_tokens == 100
+        assert c.tokens == cold.complete_tokens(q, params=EIGHT).tokens
+        # and the branch at 100 tokens is now shared by all three
+        again = eng.complete_tokens(prompts[1], params=EIGHT)
+        assert again.stats.cached_tokens == P + S
+        assert again.tokens == cold.complete_tokens(prompts[1], params=EIGHT).tokens
+        eng.store._check_invariants()
+    finally:
+        eng.close(flush=False)
+        cold.close(flush=False)
