@@ -49,7 +49,8 @@ function renderSelf(me) {
     ["model", me.model], ["policy", me.policy],
     ["uptime", me.uptime_s == null ? "-" : `${Math.round(me.uptime_s)} s`],
     ["engine", `${e.active ?? 0} running, ${e.queue_depth ?? 0} waiting`],
-    ["rates", `prefill ${fixed(e.prefill_tps, 0)} tok/s, decode ${fixed(e.decode_tps, 0)} tok/s`],
+    ["rates", (e.prefill_tps == null ? "prefill not measured yet"
+      : `prefill ${fixed(e.prefill_tps, 0)} tok/s`) + `, decode ${fixed(e.decode_tps, 0)} tok/s`],
     ["requests", `${inf.requests ?? 0} (served here ${inf.served_local ?? 0}, forwarded ` +
       `${inf.forwarded ?? 0}, fallbacks ${inf.fallbacks ?? 0}, errors ${inf.errors ?? 0}), ` +
       `in flight ${me.requests_in_flight ?? 0}`],
