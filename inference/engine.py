@@ -4,16 +4,25 @@ Serve path of a request (prompt token ids P, namespace ns):
 
 1. look up the longest cached prefix of the prompt *body* ``P[:-1]`` in ns (RAM or disk
    tier of the :class:`~prefixmesh.inference.kvstore.KVStore`);
-2. clear the context, restore the saved per-sequence state with
-   ``llama_state_seq_set_data`` and, when the saved entry is longer than the match, cut it
-   back with ``llama_memory_seq_rm``;
+2. clear the context, restore the saved chain of per-sequence states with
+   ``llama_state_seq_set_data`` (a whole prefix, then each segment through scratch
+   sequence 1, joined with ``llama_memory_seq_cp``) and, when the saved entry is longer
+   than the match, cut it back with ``llama_memory_seq_rm``;
 3. evaluate only the rest of the body (in chunks of 2..n_batch tokens), then the last
    prompt token on its own;
 4. sample (greedy, or seeded temperature/top-k/top-p in numpy: deterministic for a given
    seed and logits) and stream token pieces until EOS/EOG, ``max_tokens`` or cancellation;
-5. save snapshots of the snapshot points no stored entry covers yet: after generation, by
-   cutting the context back to each point (``seq_rm``) and ``llama_state_seq_get_data``,
-   so that saving costs no time to first token.
+5. save snapshots of the snapshot points no stored entry covers yet: after generation, so
+   that saving costs no time to first token. Each is a *segment*: only the cells past the
+   longest stored prefix of the point (copied to sequence 1, ``llama_state_seq_get_data``
+   of that sequence), so a prefix shared by many prompts is stored once and bytes grow
+   with unique tokens. A prompt that diverged from a stored state at L tokens makes L a
+   stored branch point and the other state is rebased onto it (see ``_save_snapshots``).
+
+Persistence: the store writes every new state to disk behind the engine's back
+(write-behind, within ``write_delay_s``); start-up reads only file headers. KV cache
+element types (``type_k``/``type_v``) and the sequence layout are part of the state
+fingerprint, so states of different settings never mix. Measurements: docs/bench/engine.md.
 
 Bit-identical results. Greedy output through any restore path equals a cold run of the
 same engine. Restoring copies the exact KV cells; what needs care is that the CPU kernels

@@ -11,6 +11,16 @@ namespace id, so prefixes of different namespaces are disjoint by construction a
 lookup in one namespace can never return another namespace's state. Both tiers are
 searched on lookup and the longer match wins (RAM on a tie).
 
+Segments (prefix sharing). A state may hold only ``tokens[base:]`` of its prefix (a
+*segment*, ``put(..., base=)``); it is usable only on top of the stored state of
+``tokens[:base]``, its parent, in the same tier. A lease hands out the chain, root first
+(``Lease.segments``). Each tier stays closed under parents: a segment pins its parent there
+(so LRU eviction takes segments before their parent), is stored in a tier only where its
+parent is, a disk hit promotes the chain root first, and removing or losing a state (bad
+file) removes the segments based on it. ``rebase`` re-bases a state onto a new, longer
+parent of the same chain (a new branch point), so a prefix shared by K prompts is stored
+once: bytes grow with unique tokens.
+
 Budgets. Each tier's tree enforces its byte budget (RAM: payload bytes + 4 per token; disk:
 file sizes) by evicting least-recently-used *unpinned* entries. An entry is pinned while a
 :class:`Lease` on it is held (a request is restoring it). An entry evicted from RAM is
@@ -31,7 +41,8 @@ partial one under a ``.kv`` name. File format (little endian)::
     namespace id              8
     n_tokens u32              4
     payload_len u64           8
-    token ids u32 * n_tokens
+    base u32                  4    only when flags has FLAG_SEGMENT (1): tokens [base, n)
+    token ids u32 * n_tokens       all tokens of the prefix (the index needs them)
     payload                   payload_len
     checksum                  32   BLAKE2b-256 over everything before it
 
