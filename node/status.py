@@ -23,8 +23,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["overview", "render_text", "fetch_overview", "cli_status", "StatusError", "PREFIXES_LISTED",
-           "MAX_PEERS"]
+__all__ = ["overview", "render_text", "fetch_overview", "cli_status", "status_url",
+           "StatusError", "PREFIXES_LISTED", "MAX_PEERS"]
 
 #: per namespace, the largest cached prefixes listed one by one
 PREFIXES_LISTED = 20

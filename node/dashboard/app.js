@@ -88,7 +88,8 @@ function renderCache(namespaces, cache) {
   document.getElementById("ns-body").replaceChildren(...namespaces.map((ns) => {
     const most = Math.max(1, ...ns.largest.map((p) => p.tokens));
     const bars = el("td", {}, ...ns.largest.slice(0, 12).map((p) => {
-      const bar = el("span", { class: "bar", title: `${p.tokens} tokens, ${size(p.bytes)}, ${p.tier}` });
+      const bar = el("span",
+        { class: "bar", title: `${p.tokens} tokens, ${size(p.bytes)}, ${p.tier}` });
       bar.style.width = `${Math.max(2, 60 * p.tokens / most)}px`; // CSSOM: allowed by the CSP
       return bar;
     }));
@@ -96,7 +97,8 @@ function renderCache(namespaces, cache) {
     return el("tr", { class: "ns", "data-ns": ns.name },
       el("td", {}, ns.name), el("td", {}, ns.visibility),
       el("td", { class: "num" }, ns.prefixes), el("td", { class: "num" }, ns.tokens),
-      el("td", { class: "num" }, size(ns.ram_bytes)), el("td", { class: "num" }, size(ns.disk_bytes)),
+      el("td", { class: "num" }, size(ns.ram_bytes)),
+      el("td", { class: "num" }, size(ns.disk_bytes)),
       bars);
   }));
 }
