@@ -36,6 +36,7 @@ class RequestDone:
     ttft_s: float  # at this node, from receipt of the request (nan if no token came)
     total_s: float  # at this node, from receipt to the end
     error: str = ""  # stable error code ("" if answered): unauthorized, no_route, ...
+    ns: bytes = b""  # the request's namespace id (the dashboard's hits per namespace)
 
 
 class InferObserver(Protocol):
