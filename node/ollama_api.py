@@ -21,14 +21,13 @@ the serving node decides those.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import trio
-
-from prefixmesh import __version__
 
 from .openai_schema import (
     ApiError,
@@ -265,7 +264,7 @@ async def handle(app, hooks: GatewayHooks, path: str, method: str, send) -> None
             await hooks.drain()
             raise MethodNotAllowed(f"{path} takes {want}, not {method}")
         if path == "/api/version":
-            await hooks.send_json(send, 200, {"version": __version__})
+            await hooks.send_json(send, 200, {"version": importlib.metadata.version("prefixmesh")})
             return
         tenant = hooks.resolve_tenant()
         model_ids = list(app.backend.model_ids())
