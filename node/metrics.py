@@ -48,6 +48,8 @@ RECENT_REQUESTS = 50
 MAX_LABEL_VALUES = 32
 #: peers listed one by one in per-peer gauges (bounded series)
 MAX_PEERS_LABELLED = 64
+#: namespaces whose served requests are tallied for the dashboard (then no new ones)
+MAX_NAMESPACES = 64
 
 # TTFT on the default CPU model runs from ~0.1 s (cached prefix) to seconds (cold 2k prompt)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
@@ -106,6 +108,8 @@ class NodeMetrics:
         self.recent: deque[tuple[float, RequestDone]] = deque(maxlen=recent)  # (wall time, ev)
         self.started_at = time.time()
         self.in_flight = 0
+        # per namespace id, requests served here: [requests, prompt tokens, cached tokens]
+        self.by_ns: dict[bytes, list[int]] = {}
         self._reasons = _Bounded()
         self._fallback_reasons = _Bounded()
         self._errors = _Bounded()
@@ -167,6 +171,12 @@ class NodeMetrics:
             self.hits.inc(max(0, min(event.cached_tokens, event.prompt_tokens)))
             self.prompt_tokens.inc(max(0, event.prompt_tokens))
             self.generation_tokens.inc(max(0, event.completion_tokens))
+            ns = getattr(event, "ns", b"")
+            if ns and (ns in self.by_ns or len(self.by_ns) < MAX_NAMESPACES):
+                row = self.by_ns.setdefault(ns, [0, 0, 0])
+                row[0] += 1
+                row[1] += max(0, event.prompt_tokens)
+                row[2] += max(0, min(event.cached_tokens, event.prompt_tokens))
         if event.entry:
             if answered:
                 self.mesh_queries.inc(max(0, event.prompt_tokens))

@@ -58,7 +58,7 @@ def overview(node: Any, metrics: Any = None, *, now: float | None = None) -> dic
     now = time.time() if now is None else now
     out: dict[str, Any] = {"generated_at": now, "node": _self(node, metrics, now)}
     out["peers"] = _peers(node, now)
-    out["namespaces"], out["cache"] = _cache(node)
+    out["namespaces"], out["cache"] = _cache(node, metrics)
     out["recent"] = _recent(metrics)
     return out
 
@@ -144,7 +144,7 @@ def _store_prefixes(store) -> list[tuple[bytes, int, int, str]]:
         return [(ns, len(tokens), 0, tier) for ns, tokens, tier in store.prefixes()]
 
 
-def _cache(node) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _cache(node, metrics=None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     store = getattr(getattr(getattr(node, "backend", None), "engine", None), "store", None)
     tenants = getattr(node, "tenants", None)
     by_ns: dict[bytes, dict[str, Any]] = {}
@@ -154,13 +154,18 @@ def _cache(node) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                               "prefixes": 0, "tokens": 0, "ram_bytes": 0, "disk_bytes": 0,
                               "largest": []}
     cache: dict[str, Any] = {}
+    served = getattr(metrics, "by_ns", {}) if metrics is not None else {}
+    for ns, d in by_ns.items():  # requests served here from this namespace, and their hits
+        n, prompt, cached = served.get(ns, (0, 0, 0))
+        d.update(served_requests=n, prompt_tokens=prompt, cached_tokens=cached)
     if store is None:
         return list(by_ns.values()), cache
     rows = _store_prefixes(store)
     for ns, n_tokens, size, tier in rows:
         d = by_ns.setdefault(ns, {"name": "?", "ns_id": ns.hex(), "visibility": "?",
                                   "prefixes": 0, "tokens": 0, "ram_bytes": 0, "disk_bytes": 0,
-                                  "largest": []})
+                                  "largest": [], "served_requests": 0, "prompt_tokens": 0,
+                                  "cached_tokens": 0})
         d["prefixes"] += 1
         d["tokens"] += n_tokens
         d[f"{tier}_bytes"] += size
@@ -224,8 +229,10 @@ def render_text(ov: dict[str, Any], *, width: int = 100, height: int = 40) -> st
                      f"{eng.get('prefill_tps') or '-'} tok/s, decode {eng.get('decode_tps')} tok/s")
     inf = me.get("infer") or {}
     if inf:
-        lines.append("requests: " + ", ".join(f"{k} {v}" for k, v in inf.items())
-                     + f", in flight {me.get('requests_in_flight', 0)}")
+        lines.append(f"requests {inf.get('requests', 0)}: served here "
+                     f"{inf.get('served_local', 0)}, forwarded {inf.get('forwarded', 0)}, "
+                     f"fallbacks {inf.get('fallbacks', 0)}, errors {inf.get('errors', 0)}; "
+                     f"in flight {me.get('requests_in_flight', 0)}")
     peers = ov.get("peers", [])
     lines.append("")
     lines.append(f"peers ({sum(p['up'] for p in peers)} up of {len(peers)})")
@@ -246,8 +253,10 @@ def render_text(ov: dict[str, Any], *, width: int = 100, height: int = 40) -> st
         f" (store hits: {c.get('hits_ram', 0)} RAM, {c.get('hits_disk', 0)} disk, "
         f"{c.get('misses', 0)} misses)" if c else ""))
     for ns in ov.get("namespaces", [])[:6]:
-        lines.append(f"  {ns['name']:<16} {ns['prefixes']:>4} prefixes {ns['tokens']:>7} tokens "
-                     f" RAM {_size(ns['ram_bytes']):>10}  disk {_size(ns['disk_bytes']):>10}")
+        lines.append(f"  {ns['name']:<12} {ns['prefixes']:>4} prefixes {ns['tokens']:>7} tokens "
+                     f"RAM {_size(ns['ram_bytes']):>9} disk {_size(ns['disk_bytes']):>9}  "
+                     f"hits {ns.get('cached_tokens', 0)}/{ns.get('prompt_tokens', 0)} tok "
+                     f"in {ns.get('served_requests', 0)} req")
     lines.append("")
     recent = ov.get("recent", [])
     lines.append(f"last requests ({len(recent)})")

@@ -168,6 +168,9 @@ def test_overview_lists_peers_prefixes_and_routes(swarm):
     public = next(n for n in ov["namespaces"] if n["name"] == "public")
     assert public["prefixes"] >= 1 and public["tokens"] > 0
     assert public["ram_bytes"] + public["disk_bytes"] > 0
+    # A served its two requests itself; the second reused the first one's prefix
+    assert public["served_requests"] >= 2 and 0 < public["cached_tokens"] <= public[
+        "prompt_tokens"]
     assert all(set(e) == {"tokens", "bytes", "tier"} for e in public["largest"])
     assert "SHARED" not in str(ov) and "observatory" not in str(ov)  # sizes, never contents
     assert len(ov["recent"]) >= 2

@@ -46,6 +46,7 @@ def test_render_text_is_one_screen_with_the_facts():
     assert "peers (1 up of 2)" in text
     assert "AAAA1111" in text and "0.93" in text and "BBBB2222" in text
     assert "public" in text and "700 tokens" in text and "4 RAM" in text
+    assert "hits 0/0 tok in 0 req" in text
     assert "288/300 cached" in text and "AAAA1111: serve (cached)" in text
     assert "error unauthorized" in text
     assert "50%" in text  # KV usage
@@ -83,6 +84,7 @@ def test_overview_of_a_node_lists_prefix_sizes_never_tokens():
     from prefixmesh.node.status import overview
     from prefixmesh.node.tenants import TenantRegistry, default_tenant_specs
     from prefixmesh.overlay.core.identity import Identity
+    from prefixmesh.overlay.events import RequestDone
 
     me = Identity.from_seed(b"\5" * 32)
     tenants = TenantRegistry.from_specs(default_tenant_specs(), b"\1" * 32)
@@ -94,11 +96,19 @@ def test_overview_of_a_node_lists_prefix_sizes_never_tokens():
     node = SimpleNamespace(
         identity=me, model_fp=b"\1" * 32, tenants=tenants, full_addrs=lambda: ["/ip4/x"],
         backend=SimpleNamespace(load_figures=lambda: load, engine=SimpleNamespace(store=store)))
-    ov = overview(node, NodeMetrics(self_id=me.peer_id), now=100.0)
+    metrics = NodeMetrics(self_id=me.peer_id)
+    metrics.request_done(RequestDone(
+        request_id=b"\1" * 16, entry=True, action="serve", reason="", served_by=me.peer_id,
+        route=(), prompt_tokens=10, cached_tokens=8, completion_tokens=1, ttft_s=0.1,
+        total_s=0.2, ns=ns))
+    ov = overview(node, metrics, now=100.0)
     (public,) = ov["namespaces"]
     assert public["prefixes"] == 2 and public["tokens"] == 8
     assert public["ram_bytes"] >= 800
     assert [e["tokens"] for e in public["largest"]] == [5, 3]
     assert "7001" not in str(ov)  # token ids never leave the node
-    assert ov["node"]["peer_id"] == me.peer_id_b58 and ov["peers"] == [] and ov["recent"] == []
+    assert (public["served_requests"], public["prompt_tokens"], public["cached_tokens"]) == \
+        (1, 10, 8)
+    assert ov["node"]["peer_id"] == me.peer_id_b58 and ov["peers"] == []
+    assert ov["recent"][0]["cached_tokens"] == 8 and "\\x" not in str(ov["recent"])
     assert ov["cache"]["misses"] == 0

@@ -99,6 +99,8 @@ function renderCache(namespaces, cache) {
       el("td", { class: "num" }, ns.prefixes), el("td", { class: "num" }, ns.tokens),
       el("td", { class: "num" }, size(ns.ram_bytes)),
       el("td", { class: "num" }, size(ns.disk_bytes)),
+      el("td", { class: "hits" }, `${ns.cached_tokens ?? 0} / ${ns.prompt_tokens ?? 0} in ` +
+        `${ns.served_requests ?? 0} requests`),
       bars);
   }));
 }
