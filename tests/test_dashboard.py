@@ -136,3 +136,19 @@ def test_check_operator_rules():
             check_operator(keyed, bad)
     with pytest.raises(PermissionDenied):
         check_operator(GatewaySettings(api_keys={"k": "team"}), "Bearer k")
+
+
+def test_metrics_listen_config(tmp_path):
+    from prefixmesh.node.config import ConfigError, load_config
+
+    path = tmp_path / "node.toml"
+    path.write_text('[metrics]\nlisten = "127.0.0.1:9464"\n')
+    assert load_config(path).metrics.listen == "127.0.0.1:9464"
+    path.write_text('[metrics]\nlisten = "0.0.0.0:9464"\n')
+    with pytest.raises(ConfigError, match=r"metrics.*api_key"):
+        load_config(path)
+    path.write_text('[metrics]\nlisten = "0.0.0.0:9464"\n[http]\napi_key = "k"\n')
+    assert load_config(path).metrics.listen == "0.0.0.0:9464"
+    path.write_text('[metrics]\nlisten = "nonsense"\n')
+    with pytest.raises(ConfigError, match="metrics"):
+        load_config(path)
