@@ -55,3 +55,28 @@ def test_json_log_format_every_line_parses(tmp_path):
     docs = [json.loads(ln) for ln in lines]  # every line is one JSON object
     assert all({"ts", "level", "logger", "msg"} <= d.keys() for d in docs)
     assert any(d["logger"] == "prefixmesh.node" and "shutting down" in d["msg"] for d in docs)
+    # the per-request line carries its facts as fields
+    (req,) = [d for d in docs if d["logger"] == "prefixmesh.requests"]
+    assert req["level"] == "info" and req["entry"] is True and req["action"] == "serve"
+    assert req["completion_tokens"] == answer.final.completion_tokens
+    assert req["prompt_tokens"] > 0 and req["ttft_s"] > 0 and req["total_s"] >= req["ttft_s"]
+    assert req["served_by"] == node.peer_b58
+
+
+def test_one_info_line_per_request(tmp_path):
+    with Swarm(tmp_path) as swarm:
+        a = swarm.add("a")
+        b = swarm.add("b", bootstrap=[a.addr])
+        for _ in range(2):
+            ask(b.addr, [("user", "Name a colour.")], max_tokens=3)
+        b.terminate()
+        a.terminate()
+        lines_b = [ln for ln in b.log_tail(200000).splitlines() if "prefixmesh.requests" in ln]
+        lines_a = [ln for ln in a.log_tail(200000).splitlines() if "prefixmesh.requests" in ln]
+    assert len(lines_b) == 2, lines_b  # the entry node: one line per request
+    for line in lines_b:
+        assert " INFO prefixmesh.requests: request " in line and " entry: " in line, line
+        for part in ("prompt tokens", "TTFT ", "total ", "served by "):
+            assert part in line, (part, line)
+    # a request the entry forwarded is logged at the serving node too, as "from peer"
+    assert all(" from peer: " in ln for ln in lines_a), lines_a
