@@ -219,6 +219,9 @@ class EngineConfig:
     # KV cache element types ("f16", "q8_0", "q4_0", ...); quantized V needs flash_attn
     type_k: str = "f16"
     type_v: str = "f16"
+    # keep the last request's prompt body live in sequence 0: a request that extends it
+    # (a conversation's next turn) restores nothing (hit_tier "live")
+    live_sequence: bool = False
     seed: int = 0  # llama context seed (unused by our sampler; recorded for completeness)
 
 
@@ -232,7 +235,7 @@ class TokenPiece:
 class RequestStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored instead of evaluated
-    hit_tier: str = "none"  # "ram" | "disk" | "none"
+    hit_tier: str = "none"  # "live" | "ram" | "disk" | "none"
     prefill_tokens: int = 0  # prompt tokens evaluated
     completion_tokens: int = 0
     queue_wait_s: float = 0.0
@@ -370,6 +373,7 @@ class Engine:
         self._closed = False
         self._llama = None
         self._current: RequestHandle | None = None
+        self._live: tuple[bytes, tuple[int, ...]] | None = None  # (ns, body) left in seq 0
         self._vocab_lock = threading.Lock()
         self._load_error: BaseException | None = None
         self._loaded = threading.Event()
@@ -828,11 +832,22 @@ class Engine:
         # single body token to evaluate restores one token less.
         body_end = n_prompt - 1
 
-        # 1-2: restore the longest cached prefix of the body
-        lib.llama_memory_clear(self._mem, True)
+        # 1-2: keep what the previous request left live in sequence 0 when it serves at
+        # least as much as the store would, else restore the longest cached prefix
+        live = self._live_use(ns_id, tokens, body_end)
+        self._live = None  # the context changes from here on
         n_past = 0
         if body_end >= 1:
             lease = self.store.acquire(ns_id, tokens[:body_end])
+            if live and (lease is None or live >= lease.length):
+                if lease is not None:
+                    lease.release()
+                    lease = None
+                if lib.llama_memory_seq_rm(self._mem, 0, live, -1):
+                    n_past = live
+                    stats.hit_tier = "live"
+            if n_past == 0:
+                lib.llama_memory_clear(self._mem, True)
             if lease is not None:
                 try:
                     use = lease.length
@@ -878,6 +893,10 @@ class Engine:
         if not h.cancelled:
             self._decode(tokens[body_end:], body_end)
             n_past = n_prompt
+            if self.config.live_sequence:
+                # the body's cells were all computed in chunks: the next request may go on
+                # from them (the last prompt token and generated ones were computed alone)
+                self._live = (ns_id, tuple(tokens[:body_end]))
         stats.prefill_s = time.perf_counter() - t0
         stats.prefill_tokens = n_prompt - stats.cached_tokens
         if h.cancelled:
@@ -965,9 +984,26 @@ class Engine:
             self._rebase(ns_id, *rebase)
         stats.snapshot_s = time.perf_counter() - t0
 
+    def _live_use(self, ns_id: bytes, tokens: Sequence[int], body_end: int) -> int:
+        """How many body tokens the live sequence serves (0: none), by the batch rules."""
+        if self._live is None or self._live[0] != ns_id:
+            return 0
+        held = self._live[1]
+        n = 0
+        for a, b in zip(held, tokens[:body_end], strict=False):
+            if a != b:
+                break
+            n += 1
+        if body_end - n == 1:
+            n -= 1  # never leave a lone body token
+        if n < len(held) and not self._can_truncate:
+            return 0
+        return max(n, 0)
+
     def _rebase(self, ns_id: bytes, tokens: tuple[int, ...], split: int) -> None:
         """Replace the stored state of ``tokens`` by its segment past ``split`` (now a stored
         prefix): restore it whole (the request is done with the context), save [split, end)."""
+        self._live = None  # the context is reused below
         lease = self.store.acquire(ns_id, tokens)
         if lease is None:
             return

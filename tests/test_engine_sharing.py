@@ -97,3 +97,32 @@ def test_truncating_a_chain_inside_its_first_segment_matches_cold(tmp_path, prom
     finally:
         eng.close(flush=False)
         cold.close(flush=False)
+
+
+def test_live_sequence_serves_the_next_turn_without_a_restore(tmp_path, prompts, cold_outputs):
+    eng = make_engine(tmp_path, live_sequence=True)
+    cold = make_engine(None, ram_budget_bytes=0)
+    try:
+        c = eng.complete_tokens(prompts[0], params=EIGHT)
+        # the same prompt again: its whole body is still live in sequence 0
+        again = eng.complete_tokens(prompts[0], params=EIGHT)
+        assert again.stats.hit_tier == "live" and again.stats.cached_tokens == P + S
+        assert again.tokens == c.tokens == cold_outputs[0]
+        # a next turn extending it: live prefix kept, only the new tokens evaluated
+        turn = prompts[0] + c.tokens + prompts[1][P:]
+        t = eng.complete_tokens(turn, params=EIGHT)
+        assert t.stats.hit_tier == "live" and t.stats.cached_tokens == P + S
+        assert t.tokens == cold.complete_tokens(turn, params=EIGHT).tokens
+        # another namespace never sees it
+        other = eng.complete_tokens(prompts[0], eng.namespace("other"), EIGHT)
+        assert other.stats.cached_tokens == 0 and other.tokens == cold_outputs[0]
+        # a prompt that branches off makes a rebase, which takes the context: from the store
+        b = eng.complete_tokens(prompts[1], eng.namespace("other"), EIGHT)
+        assert b.stats.hit_tier == "live" and b.stats.cached_tokens == P
+        assert b.tokens == cold_outputs[1]
+        after = eng.complete_tokens(prompts[0], eng.namespace("other"), EIGHT)
+        assert after.stats.hit_tier == "ram" and after.tokens == cold_outputs[0]
+        eng.store._check_invariants()
+    finally:
+        eng.close(flush=False)
+        cold.close(flush=False)
