@@ -58,6 +58,7 @@ from libp2p.abc import INotifee
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -66,7 +67,6 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from .core import wire
 from .core.digest import DigestError
 from .core.identity import Identity, peer_id_to_b58
-from .libp2p_guard import GuardedPeerStore, connection_config
 
 __all__ = [
     "HostError",
@@ -287,17 +287,16 @@ class OverlayHost:
         self.libp2p = new_host(
             key_pair=key_pair,
             sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
-            # no auto-dialing of every peerstore entry: our heartbeat decides whom to keep;
-            # explicit limits and a peerstore that never evicts our own key (libp2p_guard)
-            connection_config=connection_config(),
-            peerstore_opt=(peerstore := GuardedPeerStore(ID(self.peer_id))),
+            # no auto-dialing of every peerstore entry: our heartbeat decides whom to keep
+            connection_config=ConnectionConfig(
+                max_connections_per_peer=1, min_connections=0, low_watermark=0
+            ),
             listen_addrs=self._listen,
             addrs_factory=_expand_unspecified,
             disable_identify_address_discovery=True,
         )
         if self.libp2p.get_id().to_bytes() != self.peer_id:  # pragma: no cover
             raise HostError("libp2p peer id differs from our identity's peer id")
-        peerstore.connected = lambda: list(self.libp2p.get_network().connections)
         self._nursery: trio.Nursery | None = None
         # pre-negotiated idle streams: (peer, protocol) -> [(stream, opened_at)]
         self._pool: dict[tuple[bytes, str], list[tuple[object, float]]] = {}
