@@ -218,6 +218,9 @@ async def _node_main(cfg: dict) -> None:  # noqa: C901 - one driven host, many a
         return {"ok": ok, "relay": str(rid), "s": round(time.monotonic() - t0, 3),
                 "expire_in": (proof.expire - int(time.time())) if proof else None}
 
+    probe_every = cfg.get("probe_every", 2.0)
+    probe_timeout = cfg.get("probe_timeout", 2.0)
+
     async def keeper(relays: list[str]) -> None:
         """Keep one reservation: the first relay that takes it; move on when its
         connection goes (this is OUR logic: the library has no such loop we can use
@@ -233,10 +236,27 @@ async def _node_main(cfg: dict) -> None:  # noqa: C901 - one driven host, many a
             _emit({"ev": "reserve", "addr": addr, "t": time.time(), **r})
             if r.get("ok"):
                 keeper_state["current"] = addr
+                why = "connection closed"
+                last_probe = time.monotonic()
                 while network.get_connections(rid):
                     await trio.sleep(0.1)
+                    if time.monotonic() - last_probe < probe_every:
+                        continue
+                    last_probe = time.monotonic()
+                    # a frozen or cut-off relay keeps its TCP connection: probe it
+                    try:
+                        with trio.fail_after(probe_timeout):
+                            await echo(rid, [16], 1)
+                    except Exception:
+                        why = f"no answer to a probe in {probe_timeout} s"
+                        with trio.move_on_after(1):
+                            try:
+                                await host.disconnect(rid)
+                            except Exception:
+                                pass
+                        break
                 keeper_state["current"] = None
-                _emit({"ev": "relay_lost", "addr": addr, "t": time.time()})
+                _emit({"ev": "relay_lost", "addr": addr, "t": time.time(), "why": why})
             else:
                 await trio.sleep(0.5)
             i += 1
@@ -299,7 +319,11 @@ async def _node_main(cfg: dict) -> None:  # noqa: C901 - one driven host, many a
         if do == "connect":
             pid = ID.from_base58(multiaddr.Multiaddr(a["addr"]).value_for_protocol("p2p"))
             t0 = time.monotonic()
-            await host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a["addr"])]))
+            if a.get("from_listen_port"):  # as DCUtR dials: source = our listen socket
+                transport_ma = multiaddr.Multiaddr(a["addr"].rsplit("/p2p/", 1)[0])
+                await network.dial_addr(transport_ma, pid, (cfg["ip"], cfg["port"]))
+            else:
+                await host.connect(PeerInfo(pid, [multiaddr.Multiaddr(a["addr"])]))
             return {"s": round(time.monotonic() - t0, 3)}
         if do == "reserve":
             return await reserve_at(a["addr"])
@@ -538,6 +562,28 @@ class Scenario:
             n.kill()
         self.lab.close()
 
+    def extra_public_ns(self, ip: str) -> str:
+        """One more public host in a namespace of its own on the lab's bridge (the lab's
+        public hosts share one namespace, so they see each other at the wrong source
+        address); it is deleted with the lab."""
+        lab = self.lab
+        ns = f"{lab.prefix}-x{ip.rsplit('.', 1)[1]}"
+        veth = f"{lab.prefix}x{ip.rsplit('.', 1)[1]}"
+        steps = [["ip", "netns", "add", ns],
+                 ["ip", "-n", ns, "link", "set", "lo", "up"],
+                 ["ip", "link", "add", veth, "netns", ns, "type", "veth", "peer", "name",
+                  veth + "b", "netns", lab.public_ns],
+                 ["ip", "-n", lab.public_ns, "link", "set", veth + "b", "master", "br0", "up"],
+                 ["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", veth],
+                 ["ip", "-n", ns, "link", "set", veth, "up"]]
+        for i, argv in enumerate(steps):
+            r = subprocess.run(argv, capture_output=True, text=True)
+            if i == 0 and r.returncode == 0:
+                lab._made.append(ns)  # NatLab.close deletes it with the others
+            if r.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+        return ns
+
     def public(self, i: int, name: str, port: int = RELAY_PORT, **cfg) -> Node:
         n = Node(self.lab, self.lab.public_ns, name, self.logdir, ip=self.lab.public_ip(i),
                  port=port, **cfg)
@@ -686,12 +732,17 @@ def probe_autonat() -> dict:
         s2 = sc.public(1, "server2")
         s1.call("serve_autonat")
         s2.call("serve_autonat")
-        pub_client = sc.public(1, "public_client", port=RELAY_PORT + 1)
+        xns = sc.extra_public_ns("198.18.0.50")
+        pub_client = Node(sc.lab, xns, "public_client", sc.logdir, ip="198.18.0.50",
+                          port=RELAY_PORT)
+        sc.nodes.append(pub_client)
         homes = {"eim": sc.home(0, "home_eim"), "symmetric": sc.home(2, "home_sym")}
-        # identify's observed addresses need connections to a few public peers
+        # identify's observed addresses need connections to a few public peers; the
+        # connections leave from the listen port (as DCUtR's dials do), so what a server
+        # sees is the NAT's mapping of the listen port
         for n in (pub_client, *homes.values()):
-            n.call("connect", addr=s1.addr, timeout=10)
-            n.call("connect", addr=s2.addr, timeout=10)
+            n.call("connect", addr=s1.addr, timeout=10, from_listen_port=True)
+            n.call("connect", addr=s2.addr, timeout=10, from_listen_port=True)
         time.sleep(1.0)
         for name, n in (("public", pub_client), *homes.items()):
             r: dict = {"info": n.call("info")}
@@ -704,12 +755,31 @@ def probe_autonat() -> dict:
             r["claimed"] = claimed
             r["library_autonat_claimed"] = n.call("autonat", server=s1.addr, addrs=claimed)
             r["ours_dialback_claimed"] = n.call("dialback", server=s2.addr, addrs=claimed)
+            # our NAT-type check: the port two servers see for connections from our
+            # listen port (same as the listen port at both: port-preserving, endpoint-
+            # independent mapping, hole punching can work; different: symmetric)
+            seen = [n.call("dialback", server=s.addr, addrs=[]).get("seen") for s in (s1, s2)]
+            r["seen_by_two_servers"] = seen
+            ports = {x.rsplit(":", 1)[1] for x in seen if x}
+            r["our_nat_verdict"] = (
+                "public" if r["ours_dialback_claimed"].get("results", [{}])[0].get("ok")
+                else "private, port-preserving (hole punch possible)"
+                if ports == {str(n.addr.split("/")[4])}
+                else "private, symmetric (relay only)")
             out[name] = r
     return out
 
 
 def probe_failover() -> dict:
-    out: dict = {}
+    return {"relay_killed": _failover("kill"), "relay_frozen": _failover("freeze")}
+
+
+def _failover(how: str) -> dict:
+    """``kill``: the relay process dies (its kernel closes the TCP connections);
+    ``freeze``: SIGSTOP, connections stay open and nothing answers (a hung host or a
+    cut cable looks the same until TCP gives up, which takes minutes)."""
+    import signal
+    out: dict = {"how": how}
     with Scenario(homes_nat=("eim", "eim"), public_hosts=2) as sc:
         r1 = sc.public(0, "relay1", hop=True)
         r2 = sc.public(1, "relay2", hop=True)
@@ -722,10 +792,14 @@ def probe_failover() -> dict:
         out["via_r1"] = a.call("dial_circuit", addr=circuit(r1, b), timeout=30)
         out["echo_r1"] = a.call("echo", peer=b.peer, sizes=[1024], reps=5, timeout=30)
         t_kill = time.time()
-        r1.kill()
+        if how == "kill":
+            r1.kill()
+        else:
+            r1.proc.send_signal(signal.SIGSTOP)
         lost = b.wait_event("relay_lost", 30)
         ev2 = b.wait_event("reserve", 30, lambda m: m.get("ok"))
         out["relay_lost_after_s"] = round(lost["t"] - t_kill, 3)
+        out["relay_lost_why"] = lost.get("why")
         out["reserved_r2_after_s"] = round(ev2["t"] - t_kill, 3)
         out["reserved_at"] = "R2" if ev2["addr"] == r2.addr else ev2["addr"]
         out["a_kinds_after_kill"] = a.call("kinds", peer=b.peer)
@@ -734,6 +808,8 @@ def probe_failover() -> dict:
         out["echo_r2"] = a.call("echo", peer=b.peer, sizes=[1024], reps=5, timeout=30)
         out["kill_to_echo_ok_s"] = round(time.time() - t_kill, 3)
         out["redial_s"] = round(time.monotonic() - t1, 3)
+        if how == "freeze":
+            r1.proc.send_signal(signal.SIGCONT)
     return out
 
 
