@@ -17,6 +17,18 @@ exchanges with peers whose hash equals its own).
 
 The PING handler answers each PING at once and closes an idle stream after
 ``idle_close_s`` without PING.
+
+Bounded dialing (issue 14, finding 1): addresses learned from digests, the DHT, PEERS
+replies or mDNS are hints. :meth:`Heartbeat.watch` monitors at once a peer we are
+connected to (it dialled us, or bootstrap reached it) and at most
+:data:`~.core.dialing.MAX_HINT_PEERS` others; further hint peers wait in a bounded queue
+(:data:`MAX_PENDING_HINTS`, oldest dropped) and take a slot when one frees. Every dial of
+a peer we are not connected to passes a :class:`~.core.dialing.DialGate` (global rate and
+concurrency, per-address and per-/24 buckets, at most two addresses per dial); a refused
+dial waits and counts as no miss. A peer that never answered is forgotten after
+:data:`~.core.dialing.NEVER_UP_ATTEMPTS` failed dials (its health entry goes too, and
+``on_forget`` tells the directory), so fresh identities cost a bounded number of dials
+each and a bounded number at once.
 """
 
 from __future__ import annotations
@@ -30,12 +42,19 @@ from dataclasses import dataclass
 import trio
 
 from .core import wire
+from .core.dialing import MAX_HINT_PEERS, DialGate, give_up
 from .core.identity import peer_id_to_b58
 from .host import FramedStream, HostError, OverlayHost
+from .libp2p_guard import outbound_room
 
 __all__ = ["PeerHealth", "Heartbeat"]
 
 log = logging.getLogger(__name__)
+
+#: hint peers waiting for a monitoring slot; beyond this the oldest is dropped (a flood of
+#: fresh identities costs this much memory at most, and a hint that is dropped comes back
+#: with the next record naming it)
+MAX_PENDING_HINTS = 1024
 
 
 @dataclass
@@ -48,6 +67,7 @@ class PeerHealth:
     active: int = 0
     down_since: float | None = None  # monotonic
     pongs: int = 0
+    failed_dials: int = 0  # failed attempts (dial or first PING) while never up
     summary_hash: bytes = b""  # the peer's digest summary hash, as last reported
 
 
@@ -87,6 +107,14 @@ class Heartbeat:
         self._monitored: set[bytes] = set()
         self._nonce = 0
         self.pings_answered = 0
+        self.gate = DialGate()
+        self.max_hint_peers = MAX_HINT_PEERS
+        self._hints: set[bytes] = set()  # monitored peers that hold a hint slot
+        self._pending: dict[bytes, None] = {}  # hint peers waiting for a slot, oldest first
+        self.hints_dropped = 0
+        self.forgotten = 0
+        # called with a peer given up on (never answered): the daemon's directory forgets it
+        self.on_forget: Callable[[bytes], None] | None = None
 
     # --- queries ---------------------------------------------------------------------
 
@@ -119,12 +147,32 @@ class Heartbeat:
             await trio.sleep_forever()
 
     def watch(self, peer: bytes) -> None:
-        """Start monitoring ``peer`` (idempotent)."""
+        """Start monitoring ``peer`` (idempotent): at once if we are connected to it,
+        else when a hint slot is free (module docstring, *Bounded dialing*)."""
         if peer == self.host.peer_id or peer in self._monitored or self._nursery is None:
             return
+        connected = self.host.is_connected(peer)
+        if not connected and len(self._hints) >= self.max_hint_peers:
+            self._pending.pop(peer, None)
+            self._pending[peer] = None
+            if len(self._pending) > MAX_PENDING_HINTS:
+                del self._pending[next(iter(self._pending))]
+                self.hints_dropped += 1
+            return
+        self._pending.pop(peer, None)
+        if not connected:
+            self._hints.add(peer)
         self._monitored.add(peer)
         self.health.setdefault(peer, PeerHealth())
         self._nursery.start_soon(self._monitor, peer)
+
+    def _release_hint(self, peer: bytes) -> None:
+        """``peer`` stopped being monitored: its hint slot goes to the oldest waiting."""
+        self._hints.discard(peer)
+        while self._pending and len(self._hints) < self.max_hint_peers:
+            nxt = next(iter(self._pending))
+            del self._pending[nxt]
+            self.watch(nxt)
 
     def _set(self, peer: bytes, up: bool) -> None:
         h = self.health.setdefault(peer, PeerHealth())
@@ -142,6 +190,35 @@ class Heartbeat:
         """Called by forwarding code that saw ``peer`` fail; the monitor re-checks it."""
         self._set(peer, False)
 
+    async def _dial(self, peer: bytes, h: PeerHealth) -> None:
+        """Connect to ``peer`` through the dial gate (no dial if connected already);
+        waits while the gate refuses, without counting a miss."""
+        while not self.host.is_connected(peer):
+            addrs = list(self.addrs_of(peer))
+            if not addrs:
+                raise HostError("no address known to dial")
+            now = time.monotonic()
+            ticket = self.gate.admit(addrs, now) if self._outbound_room() else None
+            if ticket is None:
+                wait = self.gate.retry_after_s(addrs, now)
+                await trio.sleep(min(max(wait, 0.1), self.backoff_max_s))
+                continue
+            ok = False
+            try:
+                await self.host.connect(peer, ticket.addrs, self.timeout_s * 2)
+                ok = True
+            finally:
+                self.gate.done(ticket, ok)
+            return
+
+    def _outbound_room(self) -> bool:
+        """False once our own dials hold all but the inbound reserve (libp2p_guard)."""
+        try:
+            conns = self.host.libp2p.get_network().get_connections()
+        except Exception:  # no swarm (unit tests) or one closing
+            return True
+        return outbound_room(sum(str(getattr(c, "direction", "")) != "inbound" for c in conns))
+
     async def _monitor(self, peer: bytes) -> None:
         backoff = self.backoff_min_s
         h = self.health[peer]
@@ -149,7 +226,7 @@ class Heartbeat:
             while True:
                 fs: FramedStream | None = None
                 try:
-                    await self.host.connect(peer, self.addrs_of(peer), self.timeout_s * 2)
+                    await self._dial(peer, h)
                     stream = await self.host.open_stream(
                         peer, wire.PING_PROTOCOL, self.timeout_s * 2
                     )
@@ -160,6 +237,8 @@ class Heartbeat:
                         await trio.sleep(self.interval_s)
                 except Exception as exc:  # HostError, WireError or a library surprise: keep monitoring
                     h.misses += 1
+                    if h.pongs == 0:
+                        h.failed_dials += 1
                     log.debug("ping %s failed: %s", peer_id_to_b58(peer)[-8:], exc)
                     if h.misses >= self.misses_to_down:
                         self._set(peer, False)
@@ -167,16 +246,28 @@ class Heartbeat:
                     if fs is not None:
                         with trio.CancelScope(shield=True):
                             await fs.reset()
-                if (
-                    h.down_since is not None
-                    and time.monotonic() - h.down_since > self.forget_after_s
-                ):
-                    log.info("forgetting peer %s (down too long)", peer_id_to_b58(peer)[-8:])
+                down_for = None if h.down_since is None else time.monotonic() - h.down_since
+                if give_up(ever_up=h.pongs > 0, failed_attempts=h.failed_dials,
+                           down_for_s=down_for, forget_after_s=self.forget_after_s):
+                    self._forget(peer, h)
                     return
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
         finally:
             self._monitored.discard(peer)
+            self._release_hint(peer)
+
+    def _forget(self, peer: bytes, h: PeerHealth) -> None:
+        self.forgotten += 1
+        if h.pongs == 0:  # never answered: nothing worth keeping about it
+            log.debug("forgetting peer %s (never answered %d dials)",
+                      peer_id_to_b58(peer)[-8:], h.failed_dials)
+            if self.health.get(peer) is h:
+                del self.health[peer]
+            if self.on_forget is not None:
+                self.on_forget(peer)
+        else:
+            log.info("forgetting peer %s (down too long)", peer_id_to_b58(peer)[-8:])
 
     async def _ping_once(self, peer: bytes, fs: FramedStream, h: PeerHealth) -> None:
         self._nonce += 1

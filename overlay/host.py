@@ -58,7 +58,6 @@ from libp2p.abc import INotifee
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
-from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -67,6 +66,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from .core import wire
 from .core.digest import DigestError
 from .core.identity import Identity, peer_id_to_b58
+from .libp2p_guard import GuardedPeerStore, connection_config, install_guards
 
 __all__ = [
     "HostError",
@@ -102,12 +102,6 @@ class ListenAddrInUse(HostError):
     """A listen address cannot be bound: its port is taken, or the address is not ours."""
 
 
-#: fixed (host, port) pairs a host of this process listened on: py-libp2p leaves a closed
-#: host's listening socket open, so a later host of the same process (tests) would find
-#: its own port "in use"; the check is about *other* processes
-_bound_here: set[tuple[str, int]] = set()
-
-
 def check_listen_addrs_free(addrs: Sequence[str]) -> None:
     """Bind each ``/ip4|ip6/HOST/tcp/PORT`` (PORT > 0) briefly *without* SO_REUSEPORT;
     raises :class:`ListenAddrInUse` naming the address if that fails (module docstring)."""
@@ -116,8 +110,8 @@ def check_listen_addrs_free(addrs: Sequence[str]) -> None:
         if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
             continue
         host, port = parts[1], int(parts[3])
-        if port == 0 or (host, port) in _bound_here:
-            continue  # the kernel picks a free port / our own earlier listener
+        if port == 0:
+            continue  # the kernel picks a free port
         family = socket.AF_INET6 if parts[0] == "ip6" else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
             # SO_REUSEADDR (as trio's listeners): a port left in TIME_WAIT by our previous
@@ -287,16 +281,17 @@ class OverlayHost:
         self.libp2p = new_host(
             key_pair=key_pair,
             sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
-            # no auto-dialing of every peerstore entry: our heartbeat decides whom to keep
-            connection_config=ConnectionConfig(
-                max_connections_per_peer=1, min_connections=0, low_watermark=0
-            ),
+            # no auto-dialing of every peerstore entry: our heartbeat decides whom to keep;
+            # explicit limits and a peerstore that never evicts our own key (libp2p_guard)
+            connection_config=connection_config(),
+            peerstore_opt=(peerstore := GuardedPeerStore(ID(self.peer_id))),
             listen_addrs=self._listen,
             addrs_factory=_expand_unspecified,
             disable_identify_address_discovery=True,
         )
         if self.libp2p.get_id().to_bytes() != self.peer_id:  # pragma: no cover
             raise HostError("libp2p peer id differs from our identity's peer id")
+        install_guards(self.libp2p, peerstore)
         self._nursery: trio.Nursery | None = None
         # pre-negotiated idle streams: (peer, protocol) -> [(stream, opened_at)]
         self._pool: dict[tuple[bytes, str], list[tuple[object, float]]] = {}
@@ -321,10 +316,6 @@ class OverlayHost:
         check_listen_addrs_free([str(a) for a in self._listen])
         try:
             async with self.libp2p.run(listen_addrs=self._listen), trio.open_nursery() as nursery:
-                for a in self._listen:
-                    parts = str(a).strip("/").split("/")
-                    if len(parts) >= 4 and parts[2] == "tcp" and parts[3] != "0":
-                        _bound_here.add((parts[1], int(parts[3])))
                 self._nursery = nursery
                 try:
                     yield self

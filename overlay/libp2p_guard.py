@@ -1,0 +1,130 @@
+"""Guards around py-libp2p 0.8.1 internals that hostile input could otherwise break.
+
+Issue 14, finding 1: under a flood of fresh identities the node process exited with
+``PeerStoreError: 'peer ID not found'`` raised in py-libp2p's identify handler
+(``host.get_public_key()`` -> ``peerstore.pubkey(self.get_id())``). py-libp2p's
+``PeerStore`` holds at most ``max_peers`` (1,000) entries and, past that, evicts entries
+*without addresses first*; the node's own entry holds only its key pair and no address, so
+it was the first to go. :class:`GuardedPeerStore` never evicts the node's own entry nor
+the entry of a peer we hold a live connection to (their keys are read on every stream),
+and evicts among the rest as the library does.
+
+Connection limits: :func:`connection_config` sets py-libp2p's limits explicitly
+(:data:`MAX_CONNECTIONS`, :data:`INBOUND_RESERVE`). py-libp2p refuses an outbound dial once
+``max_connections`` connections exist and caps inbound at ``max_connections -
+min_connections``; it has no separate outbound cap, so our heartbeat stops dialing new
+peers once :data:`MAX_OUTBOUND_CONNECTIONS` are connected
+(:func:`outbound_room`): dials can never take the slots reserved for peers that dial us.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStore
+
+__all__ = [
+    "GuardedPeerStore",
+    "connection_config",
+    "install_guards",
+    "outbound_room",
+    "MAX_CONNECTIONS",
+    "INBOUND_RESERVE",
+    "MAX_OUTBOUND_CONNECTIONS",
+    "MAX_PEERSTORE_PEERS",
+]
+
+log = logging.getLogger(__name__)
+
+#: all connections (py-libp2p's default is 300, set here so it is ours to reason about): a
+#: connection costs a few file descriptors and ~100 KiB of buffers; 512 stays far below a
+#: default 1,024-fd limit with the KV cache's files open
+MAX_CONNECTIONS = 512
+#: connections kept for peers that dial us: outbound dials never take these
+INBOUND_RESERVE = 256
+#: connections we dial ourselves, at most (the rest of MAX_CONNECTIONS)
+MAX_OUTBOUND_CONNECTIONS = MAX_CONNECTIONS - INBOUND_RESERVE
+#: peerstore entries (py-libp2p's default 1,000): one per peer we dialled, that dialled us
+#: or that Kademlia returned; our own and connected peers' entries are never evicted
+MAX_PEERSTORE_PEERS = 2048
+
+
+def connection_config() -> ConnectionConfig:
+    """py-libp2p's connection settings for a node (module docstring)."""
+    return ConnectionConfig(
+        max_connections=MAX_CONNECTIONS,
+        max_connections_per_peer=1,  # also removes a ~250 ms happy-eyeballs wait
+        # py-libp2p's inbound cap is max_connections - min_connections; min_connections
+        # also drives its auto-connector, which low_watermark=0 keeps idle (our heartbeat
+        # decides whom to keep): inbound may use everything outbound does not
+        min_connections=0,
+        low_watermark=0,
+    )
+
+
+def install_guards(libp2p_host, peerstore: GuardedPeerStore) -> None:
+    """Wire the guards into a host made by ``new_host(..., peerstore_opt=peerstore)``.
+
+    Also: py-libp2p retries every address of a dial 3 more times (``RetryConfig``, not a
+    ``new_host`` argument), which made each of our dials 4 TCP attempts per address; our
+    heartbeat has its own backoff, so the swarm makes one attempt per address."""
+    network = libp2p_host.get_network()
+    peerstore.connected = lambda: list(network.connections)
+    network.retry_config = RetryConfig(max_retries=0)
+
+
+def outbound_room(n_outbound: int) -> bool:
+    """True while another outbound connection leaves the inbound reserve intact."""
+    return n_outbound < MAX_OUTBOUND_CONNECTIONS
+
+
+class GuardedPeerStore(PeerStore):
+    """A py-libp2p ``PeerStore`` whose eviction spares our own entry and connected peers."""
+
+    def __init__(self, self_id: ID, max_peers: int = MAX_PEERSTORE_PEERS) -> None:
+        super().__init__(max_peers=max_peers)
+        self.self_id = self_id
+        # set by the host once the swarm exists: ids with a live connection
+        self.connected: Callable[[], Iterable[ID]] = tuple
+        self.evictions_refused = 0
+
+    def _protected(self) -> dict:
+        keep = {self.self_id}
+        try:
+            keep.update(self.connected())
+        except Exception:  # a swarm closing under us: our own entry is what matters most
+            pass
+        return {pid: self.peer_data_map.pop(pid) for pid in keep if pid in self.peer_data_map}
+
+    def _restore(self, kept: dict) -> None:
+        self.peer_data_map.update(kept)
+
+    def _enforce_peer_limit(self) -> None:
+        kept = self._protected()
+        saved = self.max_peers
+        self.max_peers = max(0, saved - len(kept))
+        try:
+            super()._enforce_peer_limit()
+        finally:
+            self.max_peers = saved
+            self._restore(kept)
+
+    def _cleanup_expired_records(self) -> None:
+        kept = self._protected()
+        saved = self.max_peers
+        self.max_peers = max(0, saved - len(kept))
+        try:
+            super()._cleanup_expired_records()
+        finally:
+            self.max_peers = saved
+            self._restore(kept)
+
+    def clear_peerdata(self, peer_id: ID) -> None:
+        if peer_id == self.self_id:
+            self.evictions_refused += 1
+            log.debug("refused to clear our own peerstore entry")
+            return
+        super().clear_peerdata(peer_id)

@@ -1,0 +1,97 @@
+"""Heartbeat's bounded dialing on real py-libp2p hosts over loopback: hint peers that never
+answer are dialled a bounded number of times and forgotten, at most MAX_HINT_PEERS are
+monitored at once, and a peer that dials us is monitored at once whatever the hint load."""
+
+from __future__ import annotations
+
+import trio
+
+from prefixmesh.overlay.core import dialing
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.heartbeat import Heartbeat
+from prefixmesh.overlay.host import OverlayHost
+
+FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
+
+
+async def _counting_listeners(nursery, counts: list[int]) -> int:
+    """TCP listeners on 127.0.0.2..9 (one port) that count and close every connection."""
+    first = await trio.open_tcp_listeners(0, host=FOREIGN_IPS[0])
+    port = first[0].socket.getsockname()[1]
+    listeners = list(first)
+    for ip in FOREIGN_IPS[1:]:
+        listeners += await trio.open_tcp_listeners(port, host=ip)
+
+    async def count(stream):
+        counts[0] += 1
+        await stream.aclose()
+
+    nursery.start_soon(trio.serve_listeners, count, listeners)
+    return port
+
+
+def _heartbeat(host: OverlayHost, addrs: dict) -> Heartbeat:
+    return Heartbeat(host, addrs_of=lambda p: addrs.get(p, []), local_load=lambda: (0, 0),
+                     interval_s=0.3, timeout_s=1.0)
+
+
+def test_a_peer_that_never_answers_is_forgotten_after_a_few_dials():
+    async def main():
+        counts = [0]
+        async with trio.open_nursery() as nursery:
+            port = await _counting_listeners(nursery, counts)
+            host = OverlayHost(Identity.generate())
+            async with host.run():
+                ghost = Identity.generate().peer_id
+                addrs = {ghost: [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]}
+                hb = _heartbeat(host, addrs)
+                forgotten = []
+                hb.on_forget = forgotten.append
+                await nursery.start(hb.run)
+                hb.watch(ghost)
+                with trio.fail_after(30):
+                    while not forgotten:
+                        await trio.sleep(0.1)
+                assert forgotten == [ghost]
+                assert ghost not in hb.health and ghost not in hb.monitored()
+                # each failed attempt used at most MAX_ADDRS_PER_DIAL of its 8 addresses
+                assert 0 < counts[0] <= dialing.NEVER_UP_ATTEMPTS * dialing.MAX_ADDRS_PER_DIAL
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_flood_of_hint_peers_is_bounded_and_an_honest_peer_still_gets_in():
+    async def main():
+        counts = [0]
+        async with trio.open_nursery() as nursery:
+            port = await _counting_listeners(nursery, counts)
+            node, honest = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+            async with node.run(), honest.run():
+                foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
+                addrs = {Identity.generate().peer_id: foreign for _ in range(300)}
+                hb = _heartbeat(node, addrs)
+                await nursery.start(hb.run)
+                hb_honest = _heartbeat(honest, {node.peer_id: node.listen_addrs()})
+                await nursery.start(hb_honest.run)
+                for p in addrs:
+                    hb.watch(p)
+                most = 0
+                t0 = trio.current_time()
+                hb_honest.watch(node.peer_id)  # the honest peer dials the flooded node
+                with trio.fail_after(20):
+                    while not hb.is_up(honest.peer_id):
+                        most = max(most, len(hb.monitored()))
+                        await trio.sleep(0.05)
+                while trio.current_time() - t0 < 10.0:
+                    most = max(most, len(hb.monitored()))
+                    await trio.sleep(0.05)
+                elapsed = trio.current_time() - t0
+                # the honest peer dialled us: it is monitored beside the hint slots
+                assert most <= dialing.MAX_HINT_PEERS + 1
+                bound = len(foreign) * (dialing.ADDR_BURST + elapsed * dialing.ADDR_RATE_PER_S)
+                assert 0 < counts[0] <= bound, (counts[0], bound)
+                assert hb.gate.in_flight <= dialing.MAX_CONCURRENT_DIALS
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
