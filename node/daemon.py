@@ -465,7 +465,9 @@ class Node:
                 self.mdns = MdnsDiscovery(self.host, self.directory, self.advertised_addrs())
                 nursery.start_soon(self.mdns.run)
             await nursery.start(serve_node_http, self)  # OpenAI-compatible HTTP ([http].listen)
-            nursery.start_soon(self._watch_signals)
+            # before "ready": a script that signals us as soon as we are ready must find
+            # our handlers (the default SIGTERM action would kill us without a stop)
+            await nursery.start(self._watch_signals)
             self._write_addr_file()
             if opts.print_addrs:
                 for a in self.full_addrs():
@@ -526,13 +528,14 @@ class Node:
         except (OSError, IndexError):
             pass
 
-    async def _watch_signals(self) -> None:
+    async def _watch_signals(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """SIGINT/SIGTERM: the first starts the graceful stop and arms the watchdog, a
         second exits at once. Plain Python handlers, not ``trio.open_signal_receiver``:
         they run within milliseconds even while the trio loop is busy, so two signals
         are two (a receiver whose task had not run yet merged them into one), and
         ``TrioToken.run_sync_soon`` is documented as safe to call from a handler."""
         if sys.platform == "win32":  # pragma: no cover
+            task_status.started()
             return
         token = trio.lowlevel.current_trio_token()
         requested = trio.Event()
@@ -549,6 +552,7 @@ class Node:
             token.run_sync_soon(requested.set)
 
         old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        task_status.started()
         try:
             await requested.wait()
         finally:
