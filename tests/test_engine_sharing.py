@@ -126,3 +126,28 @@ def test_live_sequence_serves_the_next_turn_without_a_restore(tmp_path, prompts,
     finally:
         eng.close(flush=False)
         cold.close(flush=False)
+
+
+def test_quantized_kv_cache_keeps_restores_exact_and_never_mixes(tmp_path, prompts):
+    """type_k=q8_0: outputs through chains equal cold runs with the same setting, and the
+    states live apart from f16 ones (another fingerprint: another folder)."""
+    f16 = make_engine(tmp_path)
+    try:
+        f16.complete_tokens(prompts[0], params=EIGHT)
+    finally:
+        f16.close()
+    q8 = make_engine(tmp_path, type_k="q8_0")
+    cold = make_engine(None, ram_budget_bytes=0, type_k="q8_0")
+    try:
+        assert q8.state_fingerprint != f16.state_fingerprint
+        assert q8.store.prefixes() == []  # the f16 state is not offered to a q8_0 engine
+        for p in prompts[:3] + prompts[:3]:
+            c = q8.complete_tokens(p, params=EIGHT)
+            assert c.tokens == cold.complete_tokens(p, params=EIGHT).tokens
+        assert c.stats.cached_tokens == P + S
+        q8.store._check_invariants()
+    finally:
+        q8.close(flush=False)
+        cold.close(flush=False)
+    with pytest.raises(ValueError, match="flash_attn"):
+        make_engine(None, type_v="q8_0")
