@@ -9,6 +9,14 @@ it was the first to go. :class:`GuardedPeerStore` never evicts the node's own en
 the entry of a peer we hold a live connection to (their keys are read on every stream),
 and evicts among the rest as the library does.
 
+Library exceptions: py-libp2p runs every inbound stream's handler (identify, Kademlia,
+relay, ping, ours) in the connection's task, and an exception raised there travelled up
+through py-libp2p's nurseries to the node's top level and ended the process.
+:func:`install_guards` wraps the swarm's one entry point for inbound streams
+(``common_stream_handler``) so that any ``Exception`` is contained: logged once per
+(protocol, exception type) at WARNING with the peer and the message (later ones at DEBUG,
+counted in :data:`CONTAINED`), the stream reset, the node serving on. Cancellation passes.
+
 Connection limits: :func:`connection_config` sets py-libp2p's limits explicitly
 (:data:`MAX_CONNECTIONS`, :data:`INBOUND_RESERVE`). py-libp2p refuses an outbound dial once
 ``max_connections`` connections exist and caps inbound at ``max_connections -
@@ -19,9 +27,12 @@ peers once :data:`MAX_OUTBOUND_CONNECTIONS` are connected
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 
+import trio
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStore
@@ -38,6 +49,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: (protocol, exception type name) -> how many exceptions the stream guard contained
+CONTAINED: Counter[tuple[str, str]] = Counter()
 
 #: all connections (py-libp2p's default is 300, set here so it is ours to reason about): a
 #: connection costs a few file descriptors and ~100 KiB of buffers; 512 stays far below a
@@ -74,6 +88,45 @@ def install_guards(libp2p_host, peerstore: GuardedPeerStore) -> None:
     network = libp2p_host.get_network()
     peerstore.connected = lambda: list(network.connections)
     network.retry_config = RetryConfig(max_retries=0)
+    network.common_stream_handler = guard_stream_handler(network.common_stream_handler)
+
+
+def guard_stream_handler(handler):
+    """``handler(stream)`` with library exceptions contained (module docstring)."""
+
+    async def guarded(net_stream) -> None:
+        try:
+            await handler(net_stream)
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            contain(exc, _protocol_of(net_stream), _peer_of(net_stream))
+            with contextlib.suppress(Exception), trio.move_on_after(1):
+                await net_stream.reset()
+
+    return guarded
+
+
+def contain(exc: BaseException, where: str, peer: str = "?") -> None:
+    """Log a contained library exception: once per (where, type) loudly, then quietly."""
+    key = (where, type(exc).__name__)
+    CONTAINED[key] += 1
+    level = logging.WARNING if CONTAINED[key] == 1 else logging.DEBUG
+    log.log(level, "contained %s in py-libp2p %s (peer %s): %s; the node keeps serving "
+            "(further ones of this kind at DEBUG)", key[1], where, peer, str(exc)[:200],
+            exc_info=CONTAINED[key] == 1 and log.isEnabledFor(logging.DEBUG))
+
+
+def _protocol_of(net_stream) -> str:
+    with contextlib.suppress(Exception):
+        return str(net_stream.get_protocol() or "stream handler")
+    return "stream handler"
+
+
+def _peer_of(net_stream) -> str:
+    with contextlib.suppress(Exception):
+        return net_stream.muxed_conn.peer_id.to_base58()[-8:]
+    return "?"
 
 
 def outbound_room(n_outbound: int) -> bool:

@@ -1,0 +1,77 @@
+"""libp2p_guard on real py-libp2p hosts: a handler exception inside py-libp2p is contained
+and the host keeps serving; our own peerstore entry survives a flood of peer entries;
+the connection limits are the ones we set."""
+
+from __future__ import annotations
+
+import contextlib
+
+import multiaddr
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from prefixmesh.overlay import libp2p_guard
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.host import FramedStream, OverlayHost, PeerUnreachable
+
+
+def test_an_exception_in_a_library_handler_is_contained_and_the_host_serves_on():
+    async def main():
+        node, client = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+
+        async def broken(stream):  # registered straight on py-libp2p, like identify
+            raise KeyError("peer ID not found")
+
+        async def echo(stream):
+            fs = FramedStream(stream, timeout_s=5)
+            frame = await fs.receive()
+            await fs.send(frame)
+
+        node.libp2p.set_stream_handler(TProtocol("/test/broken/1"), broken)
+        node.set_handler(wire.PING_PROTOCOL, echo)
+        async with node.run(), client.run():
+            await client.connect(node.peer_id, node.listen_addrs())
+            for _ in range(3):
+                # the reset may reach the client before its negotiation finished
+                with contextlib.suppress(PeerUnreachable):
+                    s = await client.open_stream(node.peer_id, "/test/broken/1")
+                    await s.reset()
+                await trio.sleep(0.2)
+            assert libp2p_guard.CONTAINED[("/test/broken/1", "KeyError")] >= 3
+            s = await client.open_stream(node.peer_id, wire.PING_PROTOCOL)
+            fs = FramedStream(s, timeout_s=5)
+            await fs.send(wire.Ping(7))
+            assert await fs.receive() == wire.Ping(7)
+
+    trio.run(main)
+
+
+def test_our_own_peerstore_entry_survives_a_flood_of_entries():
+    async def main():
+        node = OverlayHost(Identity.generate())
+        store = node.libp2p.get_peerstore()
+        async with node.run():
+            addr = multiaddr.Multiaddr("/ip4/127.0.0.2/tcp/9")
+            for _ in range(libp2p_guard.MAX_PEERSTORE_PEERS + 500):
+                store.add_addrs(ID(Identity.generate().peer_id), [addr], 3600)
+            store._cleanup_expired_records()
+            assert len(store.peer_ids()) <= libp2p_guard.MAX_PEERSTORE_PEERS
+            # what identify reads on every inbound identify request
+            assert node.libp2p.get_public_key().to_bytes() == node.identity.public_bytes
+            store.clear_peerdata(node.libp2p.get_id())  # refused
+            assert node.libp2p.get_public_key() is not None
+
+    trio.run(main)
+
+
+def test_connection_limits_are_explicit_and_keep_an_inbound_reserve():
+    node = OverlayHost(Identity.generate())
+    cfg = node.libp2p.get_network().connection_config
+    assert cfg.max_connections == libp2p_guard.MAX_CONNECTIONS
+    assert cfg.max_connections_per_peer == 1
+    assert node.libp2p.get_network().retry_config.max_retries == 0
+    assert libp2p_guard.outbound_room(libp2p_guard.MAX_OUTBOUND_CONNECTIONS - 1)
+    assert not libp2p_guard.outbound_room(libp2p_guard.MAX_OUTBOUND_CONNECTIONS)
+    assert libp2p_guard.MAX_CONNECTIONS - libp2p_guard.MAX_OUTBOUND_CONNECTIONS >= 128
