@@ -36,3 +36,22 @@ def test_directory_ignores_peer_ids_that_are_not_ed25519_identities():
     for junk in (b"", b"\x00" * 34, b"\x12\x20" + b"\x01" * 32, b"not a peer id"):
         assert not d.learn(junk, ["/ip4/127.0.0.1/tcp/1"], "mdns")
     assert d.peers == {} and calls == [] and d.invalid_ids == 4
+
+
+def test_own_peer_id_at_another_address_is_an_error_naming_both(caplog):
+    import logging
+
+    from prefixmesh.overlay.core.identity import Identity
+    from prefixmesh.overlay.discovery import PeerDirectory
+
+    me = Identity.generate().peer_id
+    d = PeerDirectory(me, self_addrs=lambda: ["/ip4/127.0.0.1/tcp/4001"])
+    with caplog.at_level(logging.ERROR, logger="prefixmesh.overlay.discovery"):
+        assert not d.learn(me, ["/ip4/127.0.0.1/tcp/4001"], "mdns")  # ourselves: fine
+        assert not d.learn(me, ["/dns/boot.example.org/tcp/4001"], "bootstrap")  # maybe us
+        assert not d.learn(me, ["/ip4/10.0.0.7/tcp/4001/p2p/x"], "bootstrap")
+        assert not d.learn(me, ["/ip4/10.0.0.7/tcp/4001"], "mdns")  # once per address
+    (rec,) = caplog.records
+    text = rec.getMessage()
+    assert "10.0.0.7/tcp/4001" in text and "127.0.0.1/tcp/4001" in text and "bootstrap" in text
+    assert me not in d.peers
