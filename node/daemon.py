@@ -251,6 +251,8 @@ class Node:
             timeout_s=self.options.heartbeat_timeout_s,
         )
         self.directory.on_new_peer = self.heartbeat.watch
+        self.heartbeat.on_forget = self.directory.forget  # bounded dialing (issue 14)
+        self.directory.merit = self.heartbeat.merit
         self.host.peer_is_down = self.heartbeat.is_down
         rc = config.routing
         self.policy = make_policy(
@@ -392,6 +394,7 @@ class Node:
             compaction_ratio=cfg.digest.compaction_ratio,
             min_record_interval=min(cfg.digest.min_record_interval_s, refresh / 2),
         )
+        self.ae.origin_merit, self.ae.sender_known = self.heartbeat.merit, self.heartbeat.is_known
         if opts.digest and cfg.digest.partitions > 0:
             self.pd = self._partitioned_digest(now)
         for ns, chain in self._lies:  # test-only lie-digest fault: claim, never hold

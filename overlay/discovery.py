@@ -13,7 +13,9 @@ Sources
 
 Every learned peer goes to :class:`PeerDirectory`, which remembers its addresses and how
 we learned it, and calls ``on_new_peer`` for a new peer or new addresses of a known one
-(the daemon starts the heartbeat for it, which connects; watching is idempotent). Limits: :data:`MAX_PEERS` known peers,
+(the daemon starts the heartbeat for it, which connects; watching is idempotent). A full
+directory evicts its least valuable peer for a newcomer (never seen up, most crowded /24,
+oldest: :mod:`.core.admission`), and forgets a peer the heartbeat gave up on. Limits: :data:`MAX_PEERS` known peers,
 :data:`MAX_ADDRS_PER_PEER` addresses each; addresses that are unspecified (0.0.0.0)
 or not TCP multiaddrs are ignored.
 
@@ -33,7 +35,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from .core.admission import NEVER_UP, Merit, MeritTable
 from .core.identity import IdentityError, peer_id_to_b58, public_key_from_peer_id
+from .core.limits import subnet_of_multiaddr
 from .host import HostError, OverlayHost, split_p2p_addr
 
 __all__ = [
@@ -60,6 +64,14 @@ class KnownPeer:
     first_seen: float = 0.0
 
 
+def _subnet(addrs: Sequence[str]) -> str | None:
+    for a in addrs:
+        s = subnet_of_multiaddr(a.split("/p2p/")[0])
+        if s is not None:
+            return s
+    return None
+
+
 def _usable(addr: str) -> bool:
     return (
         addr.startswith(("/ip4/", "/ip6/", "/dns"))
@@ -77,6 +89,9 @@ class PeerDirectory:
         self.peers: dict[bytes, KnownPeer] = {}
         self.invalid_ids = 0  # peer ids ignored because they are not Ed25519 identities
         self.impostor_addrs: set[str] = set()  # where another node used our peer id
+        # admission by merit when full (the daemon sets it to the heartbeat's verdict)
+        self.merit: Callable[[bytes], int] = lambda peer: NEVER_UP
+        self.evicted = 0
 
     def learn(self, peer: bytes, addrs: Sequence[str], source: str) -> bool:
         """Record ``peer`` at ``addrs`` (transport addrs, no /p2p part). True if new."""
@@ -86,7 +101,7 @@ class PeerDirectory:
         known = self.peers.get(peer)
         new = known is None
         if new:
-            if len(self.peers) >= MAX_PEERS:
+            if len(self.peers) >= MAX_PEERS and not self._evict_for(addrs):
                 return False
             try:  # only Ed25519 identities can sign digests: ignore any other kind
                 public_key_from_peer_id(peer)
@@ -110,6 +125,24 @@ class PeerDirectory:
         if (new or added) and self.on_new_peer is not None:
             self.on_new_peer(peer)
         return new
+
+    def forget(self, peer: bytes) -> None:
+        """Drop ``peer`` (the heartbeat gave up on it: it never answered)."""
+        self.peers.pop(peer, None)
+
+    def _evict_for(self, addrs: Sequence[str]) -> bool:
+        """Full directory: evict the least valuable peer (core/admission.py) if a
+        never-seen-up newcomer at ``addrs`` is worth as much; True if room was made."""
+        table = MeritTable(MAX_PEERS)
+        for p, k in self.peers.items():
+            table.put(p, Merit(0, _subnet(k.addrs), k.first_seen))
+        victim = table.victim(Merit(NEVER_UP, _subnet(addrs), time.time()),
+                              merit_now=self.merit)
+        if victim is None:
+            return False
+        del self.peers[victim]
+        self.evicted += 1
+        return True
 
     def _met_self(self, addrs: Sequence[str], source: str) -> None:
         own = {a.split("/p2p/")[0] for a in self.self_addrs()}

@@ -277,7 +277,7 @@ class Gossip:
             if scope is None:
                 await self._send(fs, self.ae.encoded_summary())
             reply = decode_reply(await self._receive(fs))
-            self._apply(self.ae.receive(reply.records, self.clock()))
+            self._apply(self.ae.receive(reply.records, self.clock(), sender=peer))
             records = self.ae.records_for(
                 reply.summary, self.byte_budget, reply.want_snapshots, scope=scope
             )
@@ -328,7 +328,7 @@ class Gossip:
                     self.stats["records_rate_limited"] += 1
                     return  # dropped unverified; the peer resends in a later exchange
                 raws = decode_records(data)
-                self._apply(self.ae.receive(raws, self.clock()))
+                self._apply(self.ae.receive(raws, self.clock(), sender=peer))
             self.stats["exchanges_answered"] += 1
         except AntiEntropyError:
             self.stats["malformed_messages"] += 1

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import trio
 
 from .core import wire
+from .core.admission import LONG_STANDING, NEVER_UP, SEEN_UP
 from .core.dialing import MAX_HINT_PEERS, DialGate, give_up
 from .core.identity import peer_id_to_b58
 from .host import FramedStream, HostError, OverlayHost
@@ -50,6 +51,11 @@ from .libp2p_guard import outbound_room
 __all__ = ["PeerHealth", "Heartbeat"]
 
 log = logging.getLogger(__name__)
+
+#: seconds of answered PINGs after which a peer counts as long-standing (admission by merit:
+#: what a new origin it delivers costs, how hard it is to evict): longer than a flood
+#: identity bothers to stay, short enough that a restarted honest peer regains it soon
+LONG_STANDING_S = 30.0
 
 #: hint peers waiting for a monitoring slot; beyond this the oldest is dropped (a flood of
 #: fresh identities costs this much memory at most, and a hint that is dropped comes back
@@ -136,6 +142,18 @@ class Heartbeat:
 
     def monitored(self) -> set[bytes]:
         return set(self._monitored)
+
+    def merit(self, peer: bytes) -> int:
+        """Admission merit (core/admission.py): never up, seen up, or long-standing."""
+        h = self.health.get(peer)
+        if h is None or h.pongs == 0:
+            return NEVER_UP
+        return LONG_STANDING if self.is_known(peer) else SEEN_UP
+
+    def is_known(self, peer: bytes) -> bool:
+        """Up, with :data:`LONG_STANDING_S` of answered PINGs."""
+        h = self.health.get(peer)
+        return h is not None and h.up and h.pongs * self.interval_s >= LONG_STANDING_S
 
     # --- running ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prefixmesh.overlay.core import admission
 from prefixmesh.overlay.core import antientropy as ae
 from prefixmesh.overlay.core.antientropy import (
     AntiEntropy,
@@ -439,14 +440,94 @@ def test_expired_records_and_expire():
     assert b.held_bytes() == sum(len(s.raw) for s in b.held_records(b.peer_id))
 
 
-def test_origin_table_is_bounded(monkeypatch):
+def test_origin_table_is_bounded_and_admits_by_merit(monkeypatch):
+    """A full table evicts its least valuable origin (equal merit: the oldest) instead of
+    refusing newcomers; origins seen up are never displaced by never-seen-up ones."""
     monkeypatch.setattr(ae, "MAX_ORIGINS", 3)
     relay = node(100)
-    raws = [node(i).held_records(ident(i).peer_id)[0].raw for i in range(5)]
-    res = relay.receive(raws, T0 + 1)
-    assert len(res.applied) == 3
-    assert [type(e) for e in res.rejected] == [OriginTableFull, OriginTableFull]
-    assert len(relay.origins()) == 3
+    raws = [node(i).held_records(ident(i).peer_id)[0].raw for i in range(8)]
+    res = relay.receive(raws[:5], T0 + 1)
+    assert len(res.applied) == 5 and res.rejected == []
+    held = {o for o in relay.origins() if o != relay.peer_id}
+    assert held == {ident(i).peer_id for i in (2, 3, 4)}  # the two oldest gave way
+    assert relay.stats["origins_evicted"] == 2
+    up = {ident(i).peer_id for i in (2, 3, 4)}
+    relay.origin_merit = lambda o: admission.SEEN_UP if o in up else admission.NEVER_UP
+    res = relay.receive(raws[5:], T0 + 2)
+    assert res.applied == [] and {type(e) for e in res.rejected} == {OriginTableFull}
+    assert {o for o in relay.origins() if o != relay.peer_id} == up
+    up.discard(ident(2).peer_id)  # no longer valued: a newcomer may displace it
+    res = relay.receive(raws[5:6], T0 + 3)
+    assert [r.origin for r in res.applied] == [ident(5).peer_id]
+    assert ident(2).peer_id not in relay.origins()
+
+
+def test_new_origins_from_strangers_cost_more():
+    raws = [node(i).held_records(ident(i).peer_id)[0].raw for i in range(200)]
+    relay = node(1000)
+    relay.sender_known = lambda peer: peer == b"known"
+    res = relay.receive(raws, T0 + 1, sender=b"stranger")
+    per_stranger = int(ae.NEW_ORIGIN_BURST / ae.STRANGER_ORIGIN_COST)
+    assert len(res.applied) == per_stranger
+    assert {type(e) for e in res.rejected} == {ae.NewOriginBudget}
+    # the strangers' spending leaves the known peers' budget whole
+    res = relay.receive(raws, T0 + 1, sender=b"known")
+    assert len(res.applied) == 200 - per_stranger and res.rejected == []
+    # refill: strangers get NEW_ORIGIN_TOKENS_PER_S / STRANGER_ORIGIN_COST origins a second
+    more = [node(i).held_records(ident(i).peer_id)[0].raw for i in range(200, 230)]
+    res = relay.receive(more, T0 + 11, sender=b"stranger")
+    assert len(res.applied) == int(10 * ae.NEW_ORIGIN_TOKENS_PER_S / ae.STRANGER_ORIGIN_COST)
+
+
+def _addr_node(i: int, subnet: int) -> AntiEntropy:
+    return node(i, addrs=(f"/ip4/10.0.{subnet}.{i % 250 + 1}/tcp/4001",))
+
+
+def test_origins_per_subnet_are_capped(monkeypatch):
+    monkeypatch.setattr(ae, "MAX_ORIGINS_PER_SUBNET", 4)
+    relay = node(1000)
+    crowd = [_addr_node(i, 7).held_records(ident(i).peer_id)[0].raw for i in range(10)]
+    other = [_addr_node(i, 8).held_records(ident(i).peer_id)[0].raw for i in range(10, 13)]
+    res = relay.receive(crowd, T0 + 1)  # equal merit: newcomers displace the oldest
+    assert len(res.applied) == 10 and relay._merits.per_subnet["10.0.7.0/24"] == 4
+    up = set(relay.origins())
+    relay.origin_merit = lambda o: admission.SEEN_UP if o in up else admission.NEVER_UP
+    fresh = [_addr_node(i, 7).held_records(ident(i).peer_id)[0].raw for i in range(20, 25)]
+    res = relay.receive(fresh, T0 + 2)
+    assert res.applied == [] and {type(e) for e in res.rejected} == {ae.OriginSubnetFull}
+    res = relay.receive(other, T0 + 2)
+    assert len(res.applied) == 3 and res.rejected == []  # another block has room
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=1, max_size=40))
+def test_admission_invariants(steps):
+    """For any arrival order of origins (subnet, seen-up): the table never exceeds its
+    bounds, and a seen-up origin is never displaced by a never-seen-up newcomer."""
+    saved = ae.MAX_ORIGINS, ae.MAX_ORIGINS_PER_SUBNET
+    ae.MAX_ORIGINS, ae.MAX_ORIGINS_PER_SUBNET = 6, 3
+    try:
+        relay = node(1000)
+        up: set[bytes] = set()
+        relay.origin_merit = lambda o: admission.SEEN_UP if o in up else admission.NEVER_UP
+        t = T0
+        for i, (subnet, is_up) in enumerate(steps):
+            t += 1
+            origin = ident(2000 + i).peer_id
+            before = set(relay.origins())
+            raw = _addr_node(2000 + i, subnet).held_records(origin)[0].raw
+            if is_up:
+                up.add(origin)
+            res = relay.receive([raw], t)
+            after = set(relay.origins())
+            held = after - {relay.peer_id}
+            assert len(held) <= ae.MAX_ORIGINS
+            assert max(relay._merits.per_subnet.values(), default=0) <= ae.MAX_ORIGINS_PER_SUBNET
+            if not is_up:
+                assert before & up <= after  # nothing valued went for a hint
+            assert (origin in after) == bool(res.applied)
+    finally:
+        ae.MAX_ORIGINS, ae.MAX_ORIGINS_PER_SUBNET = saved
 
 
 def test_deltas_per_origin_are_bounded(monkeypatch):

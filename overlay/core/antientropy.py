@@ -83,8 +83,21 @@ every node, so at ratio r snapshots are ~1/(1+r) of the record bytes instead of 
 
 Limits (module constants)
 -------------------------
-- :data:`MAX_ORIGINS` = 1024 remote origins held; records of further new origins are
-  refused (:class:`OriginTableFull`) until some expire.
+- :data:`MAX_ORIGINS` = 1024 remote origins held. A new origin into a full table evicts
+  the least valuable one (:mod:`.admission`: never seen up before seen up before
+  long-standing, by ``origin_merit``; then the most crowded subnet; then the oldest) if
+  it is worth at least as much, else it is refused (:class:`OriginTableFull`): a flood of
+  fresh identities only displaces other never-seen-up origins.
+- :data:`MAX_ORIGINS_PER_SUBNET` = 64 origins whose records' addresses lie in one /24
+  (/48); past that a newcomer of the subnet must displace one of the same subnet
+  (:class:`OriginSubnetFull`). Loopback addresses are exempt unless
+  ``exempt_loopback=False`` (local test clusters).
+- New origins cost tokens: one delivered by a sender ``sender_known`` says is
+  long-standing costs 1 token of a bucket of :data:`NEW_ORIGIN_BURST` refilled at
+  :data:`NEW_ORIGIN_TOKENS_PER_S`; one delivered by any other sender costs
+  :data:`STRANGER_ORIGIN_COST` tokens of a second bucket of that size shared by all
+  strangers (:class:`NewOriginBudget` when empty): strangers together add at most 64
+  origins at once and 2 per second, and cannot spend the known peers' budget.
 - :data:`MAX_DELTAS_PER_ORIGIN` = 256 and :data:`MAX_ORIGIN_BYTES` = 2 MiB held per
   origin (snapshot + deltas); a delta beyond that is refused (:class:`TooManyDeltas`)
   until the origin compacts. Our own compaction keeps us well inside both.
@@ -99,10 +112,11 @@ Pure code: time and randomness come in as arguments; no trio, libp2p or llama im
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
+from .admission import Merit, MeritTable
 from .digest import (
     HASH_BYTES,
     KIND_DELTA,
@@ -137,6 +151,7 @@ from .exchange import (
     summary_message,
 )
 from .identity import Identity
+from .limits import PeerRateLimiter, _is_loopback, subnet_of_multiaddr
 
 __all__ = [
     "MAX_ORIGINS",
@@ -147,10 +162,22 @@ __all__ = [
     "ReceiveResult",
     "WrongModel",
     "OriginTableFull",
+    "OriginSubnetFull",
+    "NewOriginBudget",
+    "MAX_ORIGINS_PER_SUBNET",
     "TooManyDeltas",
 ]
 
 MAX_ORIGINS = 1024
+#: origins per /24 (/48): 1/16 of the table, so at least 16 address blocks are needed to
+#: fill it (an honest data-centre /24 rarely runs more than a few dozen nodes)
+MAX_ORIGINS_PER_SUBNET = 64
+#: tokens per second and bucket size of each new-origin budget (known senders, strangers)
+NEW_ORIGIN_TOKENS_PER_S = 8.0
+NEW_ORIGIN_BURST = 256.0
+#: what a new origin delivered by a stranger costs (a known sender's costs 1): strangers
+#: add at most 256 / 4 = 64 origins at once, then 2 per second, all of them together
+STRANGER_ORIGIN_COST = 4.0
 MAX_DELTAS_PER_ORIGIN = 256
 MAX_ORIGIN_BYTES = 2 * 1024 * 1024
 MAX_ADVERTISED_HASHES = 65536
@@ -165,7 +192,16 @@ class WrongModel(AntiEntropyError):
 
 
 class OriginTableFull(AntiEntropyError):
-    """A record of a new origin while :data:`MAX_ORIGINS` origins are held."""
+    """A new origin into a full table, worth less than every origin held."""
+
+
+class OriginSubnetFull(AntiEntropyError):
+    """A new origin of a subnet holding :data:`MAX_ORIGINS_PER_SUBNET`, worth less than
+    every origin of that subnet."""
+
+
+class NewOriginBudget(AntiEntropyError):
+    """A new origin while its sender class's new-origin budget is empty."""
 
 
 class TooManyDeltas(AntiEntropyError):
@@ -232,6 +268,7 @@ def _new_stats() -> dict:
         "snapshots_issued": 0,
         "refreshes_issued": 0,
         "origins_expired": 0,
+        "origins_evicted": 0,  # displaced by a newcomer worth as much or more
         "own_epoch_bumps": 0,
         "unadvertised_hashes": 0,
     }
@@ -268,6 +305,7 @@ class AntiEntropy:
         max_clock_skew: float = 30.0,
         min_record_interval: float = 0.0,
         compaction_ratio: float = 1.0,
+        exempt_loopback: bool = True,
     ):
         if not 0 < ttl <= MAX_TTL_S:
             raise ValueError(f"ttl must be in (0, {MAX_TTL_S}]")
@@ -316,6 +354,16 @@ class AntiEntropy:
         self._base_bytes = 0  # bytes of our latest snapshot chain
         self._last_issued_at = now
         self._force_snapshot = True
+        # admission by merit (module docstring, Limits); the daemon sets the callbacks
+        self.origin_merit: Callable[[bytes], int] | None = None  # admission.NEVER_UP ..
+        self.sender_known: Callable[[bytes], bool] | None = None  # None: all known
+        self.exempt_loopback = exempt_loopback
+        self._merits = MeritTable(MAX_ORIGINS_PER_SUBNET)
+        self._budgets = {
+            known: PeerRateLimiter(NEW_ORIGIN_TOKENS_PER_S, NEW_ORIGIN_BURST, max_peers=1)
+            for known in (True, False)
+        }
+        self._batch: tuple[float, bytes | None] = (now, None)
         self.tick(now)
 
     # --- the summary, kept incrementally --------------------------------------------------
@@ -724,10 +772,14 @@ class AntiEntropy:
         result.rejected.append(error)
         self.stats["rejected"][type(error).__name__] += 1
 
-    def receive(self, raws: Sequence[bytes], now: float) -> ReceiveResult:
+    def receive(
+        self, raws: Sequence[bytes], now: float, sender: bytes | None = None
+    ) -> ReceiveResult:
         """Verify and apply received records (any order of origins; each origin's in seq
-        order). Idempotent: records already held are skipped silently."""
+        order). Idempotent: records already held are skipped silently. ``sender``: the
+        peer that delivered them (what a new origin costs depends on it)."""
         result = ReceiveResult()
+        self._batch = (now, sender)
         decoded: list[SignedRecord] = []
         for raw in raws:
             self.stats["records_received"] += 1
@@ -795,6 +847,60 @@ class AntiEntropy:
         self._logs[origin] = _OriginLog(signed)
         self._held_raws.add(signed.raw)
         self._touch(origin)
+        held = self._merits.entries.get(origin)
+        since = held.since if held is not None else self._batch[0]
+        self._merits.put(origin, Merit(0, self._subnet_of(signed.record.addrs), since))
+
+    # --- admission by merit (module docstring, Limits) ---------------------------------
+
+    def _merit(self, origin: bytes) -> int:
+        return self.origin_merit(origin) if self.origin_merit is not None else 0
+
+    def _subnet_of(self, addrs: Sequence[str]) -> str | None:
+        """The subnet an origin counts in: its first non-exempt address's."""
+        for a in addrs:
+            if self.exempt_loopback and _is_loopback(a):
+                continue
+            subnet = subnet_of_multiaddr(a)
+            if subnet is not None:
+                return subnet
+        return None
+
+    def _admit(self, signed: SignedRecord, result: ReceiveResult) -> bool:
+        """Make room for a new origin if it is worth it; False (rejected) if not."""
+        r = signed.record
+        now, sender = self._batch
+        known = sender is None or self.sender_known is None or self.sender_known(sender)
+        cost = 1.0 if known else STRANGER_ORIGIN_COST
+        budget = self._budgets[known]
+        if budget.tokens(b"", now) < cost:
+            self._reject(result, NewOriginBudget(
+                f"new-origin budget of {'known peers' if known else 'strangers'} spent"))
+            return False
+        newcomer = Merit(self._merit(r.origin), self._subnet_of(r.addrs), now)
+        victim = None
+        if self._merits.subnet_full(newcomer.subnet):
+            victim = self._merits.victim(newcomer, subnet=newcomer.subnet, merit_now=self._merit)
+            if victim is None:
+                self._reject(result, OriginSubnetFull(
+                    f"subnet {newcomer.subnet} holds {MAX_ORIGINS_PER_SUBNET} origins"))
+                return False
+        elif len(self._logs) - 1 >= MAX_ORIGINS:
+            victim = self._merits.victim(newcomer, merit_now=self._merit)
+            if victim is None:
+                self._reject(result, OriginTableFull(
+                    f"holding {MAX_ORIGINS} origins, each worth more"))
+                return False
+        budget.allow(b"", now, cost)
+        if victim is not None:
+            self._drop(victim)
+            self.stats["origins_evicted"] += 1
+        return True
+
+    def _drop(self, origin: bytes) -> None:
+        self._held_raws.difference_update(s.raw for s in self._logs.pop(origin).records)
+        self._untouch(origin)
+        self._merits.remove(origin)
 
     def _apply(self, signed: SignedRecord, result: ReceiveResult) -> None:
         r = signed.record
@@ -808,8 +914,7 @@ class AntiEntropy:
             if not is_snapshot:
                 self._gap(r.origin, result)
                 return
-            if len(self._logs) - 1 >= MAX_ORIGINS:
-                self._reject(result, OriginTableFull(f"already holding {MAX_ORIGINS} origins"))
+            if not self._admit(signed, result):
                 return
             self._replace(signed)
         elif r.epoch < log.epoch:
@@ -870,8 +975,7 @@ class AntiEntropy:
             o for o, log in self._logs.items() if o != self.peer_id and log.expires_at <= now
         ]
         for origin in dropped:
-            self._held_raws.difference_update(s.raw for s in self._logs.pop(origin).records)
-            self._untouch(origin)
+            self._drop(origin)
         self.stats["origins_expired"] += len(dropped)
         return dropped
 
