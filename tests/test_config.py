@@ -379,14 +379,11 @@ def test_limits_defaults_and_values(tmp_path):
     assert (lim.peer_request_rate, lim.peer_request_burst) == (50.0, 100.0)
     assert lim.max_peers_per_subnet == 4 and lim.max_inbound_per_subnet == 32
     assert (lim.digest_exchange_rate, lim.digest_exchange_burst) == (4.0, 8.0)
-    # the gossip defaults are the config defaults
-    import inspect
+    # the digest exchange's defaults are the config defaults
+    from prefixmesh.overlay.digestexchange import ExchangeSettings
 
-    from prefixmesh.overlay.gossip import Gossip
-
-    params = inspect.signature(Gossip).parameters
-    assert params["exchange_rate_per_s"].default == lim.digest_exchange_rate
-    assert params["exchange_burst"].default == lim.digest_exchange_burst
+    assert ExchangeSettings().exchange_rate_per_s == lim.digest_exchange_rate
+    assert ExchangeSettings().exchange_burst == lim.digest_exchange_burst
     cfg = load_config(write(tmp_path, "[limits]\npeer_request_rate = 5\npeer_request_burst = 1\n"
                                       "max_peers_per_subnet = 0\ndigest_exchange_rate = 0.5\n"
                                       "digest_exchange_burst = 2.5\nmax_inbound_per_subnet = 0\n"))
