@@ -253,6 +253,7 @@ class Node:
         self.directory.on_new_peer = self.heartbeat.watch
         self.heartbeat.on_forget = self.directory.forget  # bounded dialing (issue 14)
         self.directory.merit = self.heartbeat.merit
+        self.heartbeat.persistent = lambda p: "bootstrap" in self.directory.sources_of(p)
         self.host.peer_is_down = self.heartbeat.is_down
         rc = config.routing
         self.policy = make_policy(

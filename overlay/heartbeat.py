@@ -121,6 +121,8 @@ class Heartbeat:
         self.forgotten = 0
         # called with a peer given up on (never answered): the daemon's directory forgets it
         self.on_forget: Callable[[bytes], None] | None = None
+        # peers never given up for want of an answer (the daemon: bootstrap peers)
+        self.persistent: Callable[[bytes], bool] = lambda peer: False
 
     # --- queries ---------------------------------------------------------------------
 
@@ -265,7 +267,8 @@ class Heartbeat:
                         with trio.CancelScope(shield=True):
                             await fs.reset()
                 down_for = None if h.down_since is None else time.monotonic() - h.down_since
-                if give_up(ever_up=h.pongs > 0, failed_attempts=h.failed_dials,
+                if give_up(ever_up=h.pongs > 0 or self.persistent(peer),
+                           failed_attempts=h.failed_dials,
                            down_for_s=down_for, forget_after_s=self.forget_after_s):
                     self._forget(peer, h)
                     return

@@ -1,0 +1,94 @@
+"""Issue 14, finding 1, against a real node process: an outside attacker
+(tests/adversary/digest_flood.py: plain py-libp2p + Noise, hand-built CBOR, records signed
+with fresh Ed25519 keys) pushes 1,100 snapshot records, each naming the same 8 foreign
+addresses 127.0.0.2..9 where counting TCP listeners stand, twice (two attacker
+identities), while an honest client sends 20 sequential requests, each on a new
+connection. Asserted: every honest request is answered, the node still accepts new
+connections and is alive, and its dials to the foreign addresses stay within the
+documented bound (per address ADDR_BURST + ADDR_RATE_PER_S x elapsed: 9 a minute).
+Figures (printed; docs/SECURITY.md): dials per minute, RSS, honest median latency
+unattacked vs attacked, measured in the same run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import trio
+from _swarm import Swarm
+from adversary.digest_flood import flood
+
+from prefixmesh.node.client import Client
+from prefixmesh.overlay.core import dialing
+
+FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
+N_REQUESTS = 20
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def _honest(addr: str) -> float:
+    t0 = time.perf_counter()
+    async with Client.connect(addr) as c:  # a fresh connection (and identity) each time
+        answer = await c.ask([("user", "hello")], max_tokens=2)
+    assert answer.final is not None and answer.final.serving is not None
+    return time.perf_counter() - t0
+
+
+def test_digest_flood_with_foreign_addresses(tmp_path):
+    with Swarm(tmp_path) as s:
+        a = s.add("A", backend="sim")
+        figures = {}
+
+        async def main():
+            dials = []  # monotonic times of TCP connections at the foreign addresses
+            first = await trio.open_tcp_listeners(0, host=FOREIGN_IPS[0])
+            port = first[0].socket.getsockname()[1]
+            listeners = list(first)
+            for ip in FOREIGN_IPS[1:]:
+                listeners += await trio.open_tcp_listeners(port, host=ip)
+
+            async def count(stream):
+                dials.append(time.monotonic())
+                await stream.aclose()
+
+            foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.serve_listeners, count, listeners)
+                figures["rss_before_mib"] = _rss_mib(a.proc.pid)
+                quiet = [await _honest(a.addr) for _ in range(N_REQUESTS)]
+                t_attack = time.monotonic()
+                figures["flood"] = await flood(a.addr, foreign)
+                attacked = []
+                for i in range(N_REQUESTS):
+                    if i == N_REQUESTS // 2:  # a second attacker identity, more records
+                        await flood(a.addr, foreign)
+                    attacked.append(await _honest(a.addr))
+                while time.monotonic() - t_attack < 30.0:  # let the dialing play out
+                    await trio.sleep(0.5)
+                elapsed = time.monotonic() - t_attack
+                after = await _honest(a.addr)  # still accepting new connections
+                figures.update(
+                    quiet_median_s=statistics.median(quiet),
+                    attacked_median_s=statistics.median(attacked),
+                    after_s=after,
+                    window_s=elapsed,
+                    foreign_dials=len(dials),
+                    dials_per_min=len(dials) * 60.0 / elapsed,
+                    rss_after_mib=_rss_mib(a.proc.pid),
+                )
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        print("digest-flood figures:", figures)
+        assert a.proc.poll() is None, a.log_tail()
+        assert "internal error" not in a.log_tail(20000)
+        bound = len(FOREIGN_IPS) * (
+            dialing.ADDR_BURST + dialing.ADDR_RATE_PER_S * figures["window_s"])
+        assert figures["foreign_dials"] <= bound, (figures, bound, a.log_tail())
