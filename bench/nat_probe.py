@@ -110,7 +110,8 @@ async def _node_main(cfg: dict) -> None:  # noqa: C901 - one driven host, many a
                          data=lim.get("data", 1024 * 1024 * 1024),
                          max_circuit_conns=lim.get("conns", 8),
                          max_reservations=lim.get("reservations", 4))
-    relay_proto = CircuitV2Protocol(host, limits=limits, allow_hop=cfg.get("hop", False))
+    hop_cls = _fixed_hop_class() if cfg.get("fixed_hop") else CircuitV2Protocol
+    relay_proto = hop_cls(host, limits=limits, allow_hop=cfg.get("hop", False))
     # roles STOP only: with CLIENT, CircuitV2Transport.dial also RESERVEs at every relay
     # it dials through (transport.py dial_peer_info)
     transport = CircuitV2Transport(host, relay_proto, RelayConfig(roles=RelayRole.STOP,
@@ -447,6 +448,106 @@ async def _node_main(cfg: dict) -> None:  # noqa: C901 - one driven host, many a
     os._exit(0)  # libp2p's background tasks can keep the process alive
 
 
+def _fixed_hop_class():
+    """``CircuitV2Protocol`` with the splice fixed (the piece we would own in the node):
+
+    - each direction's clean-up resets only *its own circuit's* two streams (the library's
+      ``_relay_data`` closes whatever circuit ``_active_relays[peer_id]`` names at that
+      moment: another circuit to the same peer, protocol.py:925-932), which also tells the
+      far end at once when one end dies;
+    - the circuit's duration cap is a deadline on the whole splice, idle or not (the
+      library checks it between reads only, protocol.py:847);
+    - the byte cap resets the circuit without writing a relay STATUS message into the
+      spliced stream (the library does, into the peers' end-to-end Noise session);
+    - carried bytes are counted (``bytes_carried``) for metrics.
+    """
+    import contextlib
+
+    import trio
+    from libp2p.abc import INotifee
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+    from libp2p.tools.constants import MAX_READ_LEN
+
+    class _ConnGone(INotifee):
+        """A connection that closes cuts every circuit spliced over it: the streams of a
+        dead connection neither fail reads nor writes here (measured), so without this
+        the far end is not told."""
+
+        def __init__(self, hop) -> None:
+            self.hop = hop
+
+        async def disconnected(self, network, conn) -> None:
+            gone = conn.muxed_conn
+            for src, dst, scope in list(self.hop.circuits):
+                if getattr(src, "muxed_conn", None) is gone or \
+                        getattr(dst, "muxed_conn", None) is gone:
+                    scope.cancel()
+
+        async def connected(self, network, conn) -> None:
+            pass
+
+        async def opened_stream(self, network, stream) -> None:
+            pass
+
+        async def closed_stream(self, network, stream) -> None:
+            pass
+
+        async def listen(self, network, multiaddr) -> None:
+            pass
+
+        async def listen_close(self, network, multiaddr) -> None:
+            pass
+
+    class FixedHop(CircuitV2Protocol):
+        bytes_carried = 0
+        circuits_cut = 0
+
+        def __init__(self, host, *args, **kw) -> None:
+            super().__init__(host, *args, **kw)
+            self.circuits: set = set()
+            host.get_network().register_notifee(_ConnGone(self))
+
+        async def _relay_data(self, src_stream, dst_stream, peer_id, deadline=None,
+                              circuit_data_limit=None) -> None:
+            scope = trio.CancelScope()
+            if deadline is not None:
+                scope.deadline = trio.current_time() + max(0.0, deadline - time.monotonic())
+            entry = (src_stream, dst_stream, scope)
+            self.circuits.add(entry)
+            try:
+                with scope:
+                    while True:
+                        try:
+                            data = await src_stream.read(MAX_READ_LEN)
+                        except Exception:
+                            break
+                        if not data:
+                            break
+                        if circuit_data_limit is not None:
+                            if len(data) > circuit_data_limit[0]:
+                                self.circuits_cut += 1
+                                break
+                            circuit_data_limit[0] -= len(data)
+                        with trio.fail_after(self.write_timeout):
+                            await dst_stream.write(data)
+                        FixedHop.bytes_carried += len(data)
+                if scope.cancelled_caught:
+                    self.circuits_cut += 1
+            except Exception:
+                pass
+            finally:
+                self.circuits.discard(entry)
+                for s in (src_stream, dst_stream):
+                    with contextlib.suppress(Exception), trio.move_on_after(1) as cs:
+                        cs.shield = True
+                        await s.reset()
+                for key, pair in list(self._active_relays.items()):
+                    if src_stream in pair or dst_stream in pair:
+                        del self._active_relays[key]
+
+    return FixedHop
+
+
 async def _run_service(bg, service, *, task_status):
     import trio
     async with bg(service):
@@ -659,9 +760,27 @@ def probe_limits() -> dict:
         out["idle_then_echo"] = a.call("idle_then_echo", peer=b.peer,
                                        waits=[1, 10, 0.5, 0.5], timeout=40)
     # two circuits to the same destination, through a relay with generous caps: does the
-    # end of one (its dialer killed) take the other down?
+    # end of one (its dialer killed) take the other down? The library's hop, then ours.
+    for fixed in (False, True):
+        out["two_circuits_same_destination" + ("_fixed_hop" if fixed else "")] = \
+            _two_circuits(fixed)
     with Scenario(homes_nat=("eim", "eim"), public_hosts=1) as sc:
-        relay = sc.public(0, "relay", hop=True)
+        relay = sc.public(0, "relay", hop=True, fixed_hop=True,
+                          limits={"duration": 8, "data": 128 * 1024})
+        a, b = sc.home(0, "A"), sc.home(1, "B")
+        b.call("reserve", addr=relay.addr, timeout=20)
+        f: dict = {"dial": a.call("dial_circuit", addr=circuit(relay, b), timeout=30)}
+        f["echo_100k"] = a.call("echo", peer=b.peer, sizes=[100 * 1024], reps=1, timeout=30)
+        a.call("dial_circuit", addr=circuit(relay, b), timeout=30)
+        f["idle_then_echo"] = a.call("idle_then_echo", peer=b.peer, waits=[1, 10],
+                                     timeout=40)
+        out["caps_fixed_hop"] = f
+    return out
+
+
+def _two_circuits(fixed: bool) -> dict:
+    with Scenario(homes_nat=("eim", "eim"), public_hosts=1) as sc:
+        relay = sc.public(0, "relay", hop=True, fixed_hop=fixed)
         a1, a2 = sc.home(0, "A1"), sc.home(0, "A2", port=HOME_PORT + 1)
         b = sc.home(1, "B")
         b.call("reserve", addr=relay.addr, timeout=20)
@@ -671,13 +790,13 @@ def probe_limits() -> dict:
         a1.kill()
         time.sleep(3)
         c["a2_echo_after_a1_killed_idle"] = a2.call("echo", peer=b.peer, sizes=[1024], reps=3)
+        c["b_kinds_for_a1_after_kill"] = b.call("kinds", peer=a1.peer)
         # B still holds its (dead) connection to A1 and writes to it, as a server would
         c["b_writes_to_dead_a1"] = b.call("echo", peer=a1.peer, sizes=[16], reps=1, timeout=8)
         time.sleep(1)
         c["a2_kinds_after_a1_killed"] = a2.call("kinds", peer=b.peer)
         c["a2_echo_after_a1_killed"] = a2.call("echo", peer=b.peer, sizes=[1024], reps=3)
-        out["two_circuits_same_destination"] = c
-    return out
+        return c
 
 
 def probe_dcutr(tries: int = 10, observe: bool = True, routers_drop: bool = True,
