@@ -53,3 +53,26 @@ def test_a_circuit_to_a_peer_without_reservation_is_refused(lab):
     dial = a.call("dial_circuit", addr=circuit(relay, b), timeout=25)
     assert not dial["ok"]
     assert "NO_RESERVATION" in dial["err"] or "204" in dial["err"], dial
+
+
+def test_our_fixed_splice_keeps_other_circuits_and_tells_the_far_end(lab):
+    """bench/nat_probe.py's FixedHop (docs/bench/nat.md): with the library's splice, the
+    end of A1's circuit to B can close A2's healthy circuit to B, and B is never told that
+    A1 is gone. Ours: A2 keeps its circuit and B drops its connection to A1."""
+    import time
+
+    sc, _ = lab
+    relay = sc.public(0, "relay_fixed", port=4002, hop=True, fixed_hop=True)
+    b = sc.home(1, "B_fixed", port=4230)
+    a1, a2 = sc.home(0, "A1_fixed", port=4231), sc.home(0, "A2_fixed", port=4232)
+    assert b.call("reserve", addr=relay.addr, timeout=15)["ok"]
+    for a in (a1, a2):
+        assert a.call("dial_circuit", addr=circuit(relay, b), timeout=20)["ok"]
+    assert a2.call("echo", peer=b.peer, sizes=[1024], reps=3)["ok"]
+    a1.kill()
+    deadline = time.monotonic() + 5
+    while b.call("kinds", peer=a1.peer)["kinds"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert b.call("kinds", peer=a1.peer)["kinds"] == []
+    echo = a2.call("echo", peer=b.peer, sizes=[1024], reps=3, timeout=15)
+    assert echo["ok"] and echo["kinds"] == ["relayed"], echo
