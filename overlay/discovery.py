@@ -146,10 +146,15 @@ class PeerDirectory:
 
     def _met_self(self, addrs: Sequence[str], source: str) -> None:
         own = {a.split("/p2p/")[0] for a in self.self_addrs()}
+        own_hosts = {a.split("/tcp/")[0] for a in own}
         for a in addrs:
             a = a.split("/p2p/")[0]
-            # a DNS name may well be our own address: only IP addresses can be compared
-            if (not _usable(a) or a.startswith("/dns") or a in own or a in self.impostor_addrs
+            # a DNS name may well be our own address: only IP addresses can be compared;
+            # mDNS/DHT may still hold our previous run's record (another port on one of
+            # our own IPs), so only the configured bootstrap list counts a port there
+            stale_self = source != "bootstrap" and a.split("/tcp/")[0] in own_hosts
+            if (not _usable(a) or a.startswith("/dns") or a in own or stale_self
+                    or a in self.impostor_addrs
                     or len(self.impostor_addrs) >= MAX_ADDRS_PER_PEER):
                 continue
             self.impostor_addrs.add(a)

@@ -55,3 +55,18 @@ def test_own_peer_id_at_another_address_is_an_error_naming_both(caplog):
     text = rec.getMessage()
     assert "10.0.0.7/tcp/4001" in text and "127.0.0.1/tcp/4001" in text and "bootstrap" in text
     assert me not in d.peers
+
+
+def test_own_previous_run_on_our_own_ip_via_mdns_is_not_an_impostor(caplog):
+    import logging
+
+    from prefixmesh.overlay.core.identity import Identity
+    from prefixmesh.overlay.discovery import PeerDirectory
+
+    me = Identity.generate().peer_id
+    d = PeerDirectory(me, self_addrs=lambda: ["/ip4/192.168.1.5/tcp/4001"])
+    with caplog.at_level(logging.ERROR, logger="prefixmesh.overlay.discovery"):
+        d.learn(me, ["/ip4/192.168.1.5/tcp/39999"], "mdns")  # our last run's stale record
+        assert not caplog.records
+        d.learn(me, ["/ip4/192.168.1.5/tcp/39999"], "bootstrap")  # configured: it counts
+    assert len(caplog.records) == 1
