@@ -716,11 +716,13 @@ ROUTER_DROP = """table inet probe_filter {
 SIZES = [1024, 100 * 1024, 1024 * 1024]
 
 
-def probe_relay(short: bool = False, limits: dict | None = None) -> dict:
+def probe_relay(short: bool = False, limits: dict | None = None,
+                fixed_hop: bool = False) -> dict:
     """Reservation + relayed echo, B behind EIM then behind symmetric NAT."""
-    out: dict = {"limits": limits or "library defaults (3600 s, 1 GiB)"}
+    out: dict = {"limits": limits or "library defaults (3600 s, 1 GiB)",
+                 "splice": "ours (FixedHop)" if fixed_hop else "library"}
     with Scenario() as sc:
-        relay = sc.public(0, "relay", hop=True, limits=limits)
+        relay = sc.public(0, "relay", hop=True, limits=limits, fixed_hop=fixed_hop)
         pub = sc.public(1, "public2")
         a = sc.home(0, "A")
         direct = a.call("connect", addr=pub.addr, timeout=10)
@@ -942,6 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("what", choices=["relay", "limits", "dcutr", "autonat", "failover", "all"])
     p.add_argument("--short", action="store_true", help="inference-like exchange over ~6 s")
     p.add_argument("--tries", type=int, default=10)
+    p.add_argument("--fixed-hop", action="store_true", help="relay: our splice (FixedHop)")
     p.add_argument("--no-observe", action="store_true",
                    help="dcutr with identify address discovery off (as overlay/host.py)")
     p.add_argument("--routers-rst", action="store_true",
@@ -962,7 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for what in todo:
         t0 = time.monotonic()
         if what == "relay":
-            results[what] = probe_relay(short=args.short)
+            results[what] = probe_relay(short=args.short, fixed_hop=args.fixed_hop)
         elif what == "limits":
             results[what] = probe_limits()
         elif what == "dcutr":
