@@ -301,6 +301,9 @@ class Node:
         self._stopping = False
         self._stop_t0: float | None = None  # when shutdown() began
         self.signalled = False  # a SIGINT/SIGTERM asked us to stop
+        self._signals: list[int] = []  # the signals received
+        self._stop_requested = trio.Event()
+        self._old_handlers: dict = {}
         self._written_addrs: list[str] = []
         self._lies: list[tuple[bytes, tuple[bytes, ...]]] = []  # test-only lie-digest fault
 
@@ -348,6 +351,13 @@ class Node:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         # fail before the (slow) model load; host.run checks again right before binding
         check_listen_addrs_free([self.config.node.listen])
+        self._install_signal_handlers()
+        try:
+            await self._run(task_status)
+        finally:
+            self._restore_signal_handlers()
+
+    async def _run(self, task_status) -> None:
         _warn_cpu_only_offload(self.config.model.n_gpu_layers, self.options.backend)
         async with _progress("loading the model and checking the KV cache", log):
             await self.backend.load()
@@ -469,9 +479,7 @@ class Node:
                 self.mdns = MdnsDiscovery(self.host, self.directory, self.advertised_addrs())
                 nursery.start_soon(self.mdns.run)
             await nursery.start(serve_node_http, self)  # OpenAI-compatible HTTP ([http].listen)
-            # before "ready": a script that signals us as soon as we are ready must find
-            # our handlers (the default SIGTERM action would kill us without a stop)
-            await nursery.start(self._watch_signals)
+            nursery.start_soon(self._watch_signals)
             self._write_addr_file()
             if opts.print_addrs:
                 for a in self.full_addrs():
@@ -532,39 +540,44 @@ class Node:
         except (OSError, IndexError):
             pass
 
-    async def _watch_signals(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """SIGINT/SIGTERM: the first starts the graceful stop and arms the watchdog, a
+    def _install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM from the very start of :meth:`run`: during start-up (model load,
+        KV index) the process exits at once, since nothing needs a graceful stop yet;
+        once started, the first signal starts the graceful stop and arms the watchdog, a
         second exits at once. Plain Python handlers, not ``trio.open_signal_receiver``:
         they run within milliseconds even while the trio loop is busy, so two signals
         are two (a receiver whose task had not run yet merged them into one), and
         ``TrioToken.run_sync_soon`` is documented as safe to call from a handler."""
         if sys.platform == "win32" or threading.current_thread() is not threading.main_thread():
-            task_status.started()  # signals reach the main thread only (a node in a test)
-            return
+            return  # signals reach the main thread only (a node run in a test's thread)
         token = trio.lowlevel.current_trio_token()
-        requested = trio.Event()
         armed = threading.Event()
-        received: list[int] = []
+        received = self._signals
         _start_exit_watchdog(armed, SHUTDOWN_BUDGET_S - 0.2)  # margin: the teardown
 
         def on_signal(signum: int, _frame) -> None:
             self.signalled = True
             received.append(signum)
+            if not self.started.is_set():
+                _exit_now(130, f"signal {signum} during start-up: exiting now")
             if len(received) > 1:
                 _exit_now(130, f"signal {signum} again: exiting now")
             armed.set()
-            token.run_sync_soon(requested.set)
+            token.run_sync_soon(self._stop_requested.set)
 
-        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        task_status.started()
-        try:
-            await requested.wait()
-        finally:
-            if not received:  # stopped for another reason: leave the handlers as they were
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)
+        self._old_handlers = {
+            sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _restore_signal_handlers(self) -> None:
+        if not self._signals:  # stopped for another reason: leave them as they were
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    async def _watch_signals(self) -> None:
+        await self._stop_requested.wait()
         log.info("signal %s: shutting down (at most %.0f s; signal again to exit at once)",
-                 received[0], SHUTDOWN_BUDGET_S)
+                 self._signals[0], SHUTDOWN_BUDGET_S)
         await self.shutdown()
 
     async def shutdown(self, grace_s: float = _INFLIGHT_GRACE_S) -> None:
