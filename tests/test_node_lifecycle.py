@@ -250,3 +250,27 @@ def test_kv_cache_survives_a_sigterm(tmp_path):
         again = ask(node.addr, messages, max_tokens=4)
         assert again.final.cached_tokens > 0, node.log_tail()
         assert again.text == first.text  # greedy: a restored state answers the same
+
+
+def test_sigterm_during_start_up_exits_at_once(tmp_path):
+    node = NodeProc(tmp_path, "a")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(node.log_path, "ab") as log:
+        proc = subprocess.Popen(node.args, stdout=subprocess.DEVNULL, stderr=log, env=env,
+                                stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: "loading the model" in node.log_tail(), 60, 0.02,
+                   what="the model load to begin")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(STOP_BOUND_S)
+        print(f"\nexited {time.monotonic() - t0:.2f} s after SIGTERM during start-up, "
+              f"status {rc}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # 130: the signal came during the load; 0: the load won the race and the node stopped
+    # gracefully; either way it exited (before, a signal then waited for the whole load)
+    assert rc in (0, 130), node.log_tail()
+    if rc == 130:
+        assert "during start-up: exiting now" in node.log_tail()
