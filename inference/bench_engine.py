@@ -38,13 +38,35 @@ _WORDS = (
 ).split()
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _lengths(text: str) -> list[int]:
+    """``512,1024`` -> [512, 1024] (a bad list is a usage error, not a traceback)."""
+    try:
+        out = [_positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("needs at least one length, e.g. 512,1024")
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--prefix-lengths", default="512,1024,2048",
+    parser.add_argument("--prefix-lengths", type=_lengths, default="512,1024,2048",
                         help="comma-separated shared-prefix lengths in tokens")
-    parser.add_argument("--runs", type=int, default=5, help="runs per length and path (>= 1)")
-    parser.add_argument("--suffix-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument("--runs", type=_positive_int, default=5,
+                        help="runs per length and path (>= 1)")
+    parser.add_argument("--suffix-tokens", type=_positive_int, default=64)
+    parser.add_argument("--threads", type=_positive_int, default=2, help="llama.cpp threads")
     parser.add_argument("--model", default=None, help="GGUF path (default: embedded model)")
 
 

@@ -32,8 +32,11 @@ def test_bench_help_prints_usage_quickly(name):
         assert flag in proc.stdout, (flag, proc.stdout)
 
 
-def test_bench_engine_rejects_a_bad_flag_value_before_running():
-    proc = subprocess.run([*CLI, "bench", "engine", "--runs", "many"], capture_output=True,
+@pytest.mark.parametrize(("flag", "value"), [("--runs", "many"), ("--runs", "0"),
+                                             ("--prefix-lengths", "512,abc"),
+                                             ("--prefix-lengths", ",")])
+def test_bench_engine_rejects_a_bad_flag_value_before_running(flag, value):
+    proc = subprocess.run([*CLI, "bench", "engine", flag, value], capture_output=True,
                           text=True, timeout=HELP_BOUND_S, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2, proc.stderr
-    assert "--runs" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert flag in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
