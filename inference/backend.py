@@ -157,8 +157,10 @@ class SimulatedBackend:
         capacity_bytes: int = 1 << 30,
         bytes_per_token: int = 1024,
         max_queue: int = 64,
+        context_tokens: int | None = None,
     ):
         self.model_fingerprint = model_fingerprint
+        self.context_tokens = context_tokens  # None: unbounded (no context limit simulated)
         self.prefill_tps = prefill_tps
         self.decode_tps = decode_tps
         self.bytes_per_token = bytes_per_token
@@ -279,6 +281,12 @@ class LlamaBackend:
         self._namespaces: dict[bytes, object] = {}
         self._pending_ns: list[tuple[str, bytes, bytes]] = []
         self._avg_request_s = 1.0
+
+    @property
+    def context_tokens(self) -> int | None:
+        """The engine's context length (None until loaded): longer prompts are refused
+        before routing (``context_length_exceeded``)."""
+        return getattr(self.engine, "n_ctx", None)
 
     async def load(self) -> None:
         from prefixmesh.inference.engine import Engine

@@ -962,7 +962,7 @@ class NodeGatewayBackend:
             hop_budget=self.hop_budget,
         )
         send, recv = trio.open_memory_channel[Any](_EVENT_BUFFER)
-        t_recv = time.perf_counter()
+        t_recv = self.infer.clock()  # the service's one clock (overlay/infer.py)
 
         async def pipeline() -> None:
             async with send:

@@ -113,6 +113,7 @@ class Heartbeat:
         self._monitored: set[bytes] = set()
         self._nonce = 0
         self.pings_answered = 0
+        self._down_waiters: dict[bytes, set[trio.Event]] = {}  # wait_down
         self.gate = DialGate()
         self.max_hint_peers = MAX_HINT_PEERS
         self._hints: set[bytes] = set()  # monitored peers that hold a hint slot
@@ -202,9 +203,26 @@ class Heartbeat:
         h.down_since = None if up else time.monotonic()
         if not up:
             self.host.drop_pool(peer)
+            for event in self._down_waiters.pop(peer, ()):
+                event.set()
         log.info("peer %s is %s", peer_id_to_b58(peer)[-8:], "up" if up else "DOWN")
         if self.on_change is not None:
             self.on_change(peer, up)
+
+    async def wait_down(self, peer: bytes) -> None:
+        """Return once ``peer`` is not up (at once if it is not up now)."""
+        if not self.is_up(peer):
+            return
+        event = trio.Event()
+        self._down_waiters.setdefault(peer, set()).add(event)
+        try:
+            await event.wait()
+        finally:
+            waiters = self._down_waiters.get(peer)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._down_waiters[peer]
 
     def mark_down(self, peer: bytes) -> None:
         """Called by forwarding code that saw ``peer`` fail; the monitor re-checks it."""

@@ -37,6 +37,7 @@ engine does); digests only ever steer routing, never select KV data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -74,6 +75,7 @@ from .core.planner import (
 )
 from .core.routing import Candidate, Policy, RouteContext, candidate_cost_s
 from .core.trust import MISMATCH, SpotChecker, TrustTracker
+from .events import InferObserver, NullObserver, RequestDone
 from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .partgossip import PartitionGossip
@@ -106,7 +108,6 @@ class InferSettings:
     first_frame_factor: float = 5.0
     first_frame_floor_s: float = 10.0
     max_frame_gap_s: float = 30.0  # a next hop silent this long mid-stream is abandoned
-    stall_check_s: float = 0.2  # how often a waiting forwarder re-checks heartbeat/deadline
     stream_timeout_s: float = 3.0  # dial + new stream to the next hop
     send_timeout_s: float = 10.0
     max_shed_candidates: int = 2  # unmatched, lightly loaded peers offered to the policy
@@ -146,6 +147,12 @@ class _Relay:
     sent_frames: int = 0
     replay: str | None = None  # text a resumed source must reproduce before relaying
     finished: bool = False
+    # what the observer's RequestDone reports (InferService._done_event)
+    action: str = "pending"  # serve | forward | fallback | reject, once known
+    reason: str = ""
+    error: str = ""  # the code of the ERROR frame sent upstream, if one was
+    final: wire.Final | None = None
+    t_first: float | None = None  # when the first TOKENS/FINAL went upstream
 
     async def tokens(self, frame: wire.Tokens) -> None:
         if self.replay is not None:
@@ -203,6 +210,7 @@ class InferService:
         share_limiter: ForwardShareLimiter | None = None,
         spot_checker: SpotChecker | None = None,
         partition: PartitionGossip | None = None,
+        observer: InferObserver | None = None,
     ):
         self.host = host
         self.me = host.peer_id
@@ -213,6 +221,8 @@ class InferService:
         self.policy = policy
         self.settings = settings or InferSettings()
         self.clock = clock
+        # request events for the log line, metrics and dashboard (overlay/events.py)
+        self.observer: InferObserver = observer if observer is not None else NullObserver()
         # the one planner the simulator drives too (overlay/core/planner.py): it keeps the
         # ski-rental rent and smoothed placements (RouterMemory) and reads the cache view
         self._rng = random.Random(int.from_bytes(os.urandom(8), "big"))
@@ -313,7 +323,7 @@ class InferService:
         except (HostError, wire.WireError) as exc:
             await self._refuse(fs, "bad_request", f"could not read a request: {exc}")
             return
-        t_recv = time.perf_counter()  # timings start at the request, not the stream
+        t_recv = self.clock()  # timings start at the request, not the stream
         if frame is None:  # an unused pooled stream closed by its opener
             await fs.close()
             return
@@ -364,11 +374,64 @@ class InferService:
 
     # --- the request pipeline --------------------------------------------------------
 
-    async def process(self, req: wire.Request, emit, t_recv: float) -> None:
+    async def process(self, req: wire.Request, emit, t_recv: float | None = None) -> None:
         """Handle one request; always ends by emitting FINAL+END or ERROR (unless
-        ``emit`` itself fails, which means the requester is gone)."""
+        ``emit`` itself fails, which means the requester is gone). ``t_recv``: when it
+        arrived, on ``self.clock`` (default: now). The observer hears one
+        ``request_started`` and one ``request_done`` per call."""
+        t_recv = self.clock() if t_recv is None else t_recv
+        entry = not req.trace
         self.stats["requests"] += 1
         relay = _Relay(emit)
+        relay.emit = functools.partial(self._emit_observed, relay, emit)
+        self._observe("request_started", req.id, entry)
+        try:
+            await self._process(req, relay, t_recv)
+        finally:
+            self._observe("request_done", self._done_event(req, relay, entry, t_recv))
+
+    async def _emit_observed(self, relay: _Relay, emit, frame: wire.Frame) -> None:
+        """``emit``, noting what the observer's RequestDone reports."""
+        if relay.t_first is None and isinstance(frame, wire.Tokens | wire.Final):
+            relay.t_first = self.clock()
+        if isinstance(frame, wire.Final):
+            relay.final = frame
+        elif isinstance(frame, wire.Error):
+            relay.error = frame.code
+            relay.action = relay.action if relay.action != "pending" else "reject"
+            relay.reason = relay.reason or frame.code
+        await emit(frame)
+
+    def _observe(self, method: str, *args) -> None:
+        try:
+            getattr(self.observer, method)(*args)
+        except Exception:  # an observer bug must never fail a request
+            log.exception("observer failed in %s", method)
+
+    def _done_event(self, req: wire.Request, relay: _Relay, entry: bool, t_recv: float
+                    ) -> RequestDone:
+        final = relay.final
+        hops = final.hops if final is not None else req.trace
+        now = self.clock()
+        return RequestDone(
+            request_id=req.id,
+            entry=entry,
+            action=relay.action if relay.action != "pending" else "reject",
+            reason=relay.reason or relay.error,
+            served_by=final.serving if final is not None else b"",
+            route=tuple(
+                f"{peer_id_to_b58(h.peer)[-8:]}: {h.action} ({h.reason})" for h in hops
+            ),
+            prompt_tokens=final.prompt_tokens if final is not None else len(req.tokens),
+            cached_tokens=final.cached_tokens if final is not None else 0,
+            completion_tokens=final.completion_tokens if final is not None else 0,
+            ttft_s=relay.t_first - t_recv if relay.t_first is not None else math.nan,
+            total_s=now - t_recv,
+            error=relay.error if final is None else "",
+            ns=req.ns,
+        )
+
+    async def _process(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
         now = self.clock()
         error: tuple[str, str] | None = None
         if self.closing:
@@ -384,7 +447,7 @@ class InferService:
             self.stats["duplicates"] += 1
         if error is not None:
             self.stats["errors"] += 1
-            await emit(wire.Error(*error))
+            await relay.emit(wire.Error(*error))
             return
         self._seen[req.id] = None
         while len(self._seen) > self.settings.max_seen_ids:
@@ -407,7 +470,7 @@ class InferService:
             code, msg = "internal", "request ended without an answer"
         self.stats["errors"] += 1
         with trio.CancelScope(shield=True), trio.move_on_after(2.0):
-            await emit(wire.Error(code, msg))
+            await relay.emit(wire.Error(code, msg))
         relay.finished = True
 
     async def _finish_error(self, relay: _Relay, code: str, message: str) -> None:
@@ -460,6 +523,7 @@ class InferService:
 
         plan, hop_base = await self._plan(req, tenant)
         if isinstance(plan, Reject):
+            relay.action, relay.reason = "reject", plan.code
             await self._finish_error(relay, plan.code, plan.reason)
             return
         if plan.carry is not None:  # the holder list the next hop decides with (partitioned)
@@ -543,7 +607,10 @@ class InferService:
             may_look_up=not req.trace,  # forwarded in: the entry node already looked
             trust=trust,
             subnets=self._subnets,
-            context_tokens=_context_tokens(self.backend),
+            # decided where the request enters, before routing: only our own context is
+            # known (peers do not advertise theirs), and a forwarding hop must not refuse
+            # what its sender may still serve
+            context_tokens=_context_tokens(self.backend) if not req.trace else None,
         )
 
     async def _look_up(self, homes: tuple[bytes, ...], ns: bytes, chain: list[bytes]
@@ -575,6 +642,13 @@ class InferService:
         known = {p for p, _ in req.holders} | self.planner.view.namespace_holders(req.ns)
         holders = [p for p in self.heartbeat.up_peers() if p not in visited and p in known]
         if not holders:
+            if not req.trace:
+                # from a client: a namespace no node we know serves is, in practice, a
+                # wrong tenant secret (the namespace id is derived from it)
+                await self._finish_error(
+                    relay, "unauthorized",
+                    "no node serves this namespace: is the tenant's secret right?")
+                return
             await self._finish_error(
                 relay,
                 "unknown_namespace",
@@ -636,6 +710,11 @@ class InferService:
                 self.stats["forwarded"] += 1
                 if self.share_limiter is not None:
                     self.share_limiter.record(target, self.clock())
+            if target != _LOCAL:
+                self._observe("forwarded", "forward" if i == 0 and not failed else "fallback",
+                              hop.reason)
+            relay.action = ("fallback" if failed else "serve" if target == _LOCAL else "forward")
+            relay.reason = hop.reason
             sent_before = relay.sent_frames
             failure = await self._pump(relay, source)
             if failure is None:
@@ -643,6 +722,7 @@ class InferService:
                     self._maybe_spot_check(target, req, observed)
                 return
             self.stats["fallbacks"] += 1
+            self._observe("fallback", failure)
             log.info(
                 "request %s: hop %s failed: %s",
                 req.id.hex()[:8],
@@ -866,7 +946,7 @@ class InferService:
                 async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
                     async for ev in events:
                         if ttft_ms < 0:
-                            ttft_ms = (time.perf_counter() - t_recv) * 1000.0
+                            ttft_ms = (self.clock() - t_recv) * 1000.0
                         if isinstance(ev, TokenChunk):
                             if corrupt:
                                 ev = TokenChunk("#" + ev.text, tuple(t + 1 for t in ev.token_ids))
@@ -897,7 +977,7 @@ class InferService:
                                         ev.completion_tokens, wire.MAX_MAX_TOKENS
                                     ),
                                     ttft_ms=ttft_ms,
-                                    total_ms=(time.perf_counter() - t_recv) * 1000.0,
+                                    total_ms=(self.clock() - t_recv) * 1000.0,
                                     finish_reason=ev.finish_reason[: wire.MAX_SHORT_STRING],
                                     hops=trace,
                                 )
@@ -943,70 +1023,28 @@ class InferService:
             assert fs is not None
             state = wire.InferStreamState()
             failure: list[str] = []
-            progress = {"first": True, "at": time.perf_counter()}
             try:
                 state.request_sent(req)
                 async with trio.open_nursery() as nursery:
 
-                    async def reader() -> None:
-                        ttft_ms = -1.0
-                        try:
-                            while True:
-                                frame = await fs.receive(timeout_s=math.inf)
-                                if frame is None:
-                                    raise _HopFailed("stream ended early")
-                                state.on_response(frame)
-                                progress["at"] = time.perf_counter()
-                                if progress["first"] and isinstance(
-                                    frame, wire.Tokens | wire.Final
-                                ):
-                                    progress["first"] = False
-                                    ttft_ms = (time.perf_counter() - t_recv) * 1000.0
-                                    # now, not earlier: see OverlayHost.take_stream
-                                    self.host.refill_pool(peer, wire.INFER_PROTOCOL)
-                                if observed is not None:
-                                    if isinstance(frame, wire.Tokens):
-                                        observed.text.append(frame.text)
-                                        observed.ids.extend(frame.token_ids)
-                                        if frame.text and not frame.token_ids:
-                                            observed.ids_complete = False
-                                    elif isinstance(frame, wire.Final):
-                                        observed.final = frame
-                                if isinstance(frame, wire.Final):
-                                    frame = _patch_ttft(frame, self.me, ttft_ms)
-                                    if self.trust is not None:
-                                        self._observe_final(peer, claimed, frame)
-                                if isinstance(frame, wire.End):
-                                    break
-                                await out.send(frame)
-                                if isinstance(frame, wire.Error):
-                                    break
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            pass
-                        except (HostError, wire.WireError) as exc:
-                            failure.append(f"{type(exc).__name__}: {exc}")
-                        except _HopFailed as exc:
-                            failure.append(str(exc))
+                    async def down_watch() -> None:
+                        await self.heartbeat.wait_down(peer)
+                        failure.append("peer went down (heartbeat)")
                         nursery.cancel_scope.cancel()
 
-                    async def watchdog() -> None:
-                        while True:
-                            await trio.sleep(s.stall_check_s)
-                            if not self.heartbeat.is_up(peer):
-                                failure.append("peer went down (heartbeat)")
-                                break
-                            silent = time.perf_counter() - progress["at"]
-                            if progress["first"] and silent > patience_s:
-                                failure.append(
-                                    f"no first frame within {patience_s:.1f} s (patience)")
-                                break
-                            if not progress["first"] and silent > s.max_frame_gap_s:
-                                failure.append(f"stalled for {silent:.1f} s mid-stream")
-                                break
-                        nursery.cancel_scope.cancel()
-
-                    nursery.start_soon(reader)
-                    nursery.start_soon(watchdog)
+                    nursery.start_soon(down_watch)
+                    # one cancel scope whose deadline moves: the hop's patience until its
+                    # first frame, then max_frame_gap_s after every frame
+                    first_seen: list[bool] = []
+                    with trio.CancelScope(deadline=trio.current_time() + patience_s) as quiet:
+                        await self._read_hop(fs, state, peer, out, t_recv, claimed, observed,
+                                             quiet, failure, first_seen)
+                    if quiet.cancelled_caught and not failure:
+                        failure.append(
+                            f"no first frame within {patience_s:.1f} s (patience)"
+                            if not first_seen else
+                            f"stalled for {s.max_frame_gap_s:.1f} s mid-stream")
+                    nursery.cancel_scope.cancel()
                 if failure:
                     raise _HopFailed(failure[0])
             finally:
@@ -1018,6 +1056,52 @@ class InferService:
 
         return produce
 
+
+    async def _read_hop(self, fs: FramedStream, state: wire.InferStreamState, peer: bytes,
+                        out: trio.MemorySendChannel, t_recv: float, claimed: Candidate | None,
+                        observed: _Observed | None, quiet: trio.CancelScope,
+                        failure: list[str], first_seen: list[bool]) -> None:
+        """Relay a next hop's frames into ``out``; each frame moves ``quiet``'s deadline
+        (the most silence tolerated mid-stream). Failures go to ``failure``;
+        ``first_seen`` gets an entry at the first TOKENS or FINAL frame."""
+        ttft_ms = -1.0
+        first = True
+        try:
+            while True:
+                frame = await fs.receive(timeout_s=math.inf)
+                if frame is None:
+                    raise _HopFailed("stream ended early")
+                state.on_response(frame)
+                quiet.deadline = trio.current_time() + self.settings.max_frame_gap_s
+                if first and isinstance(frame, wire.Tokens | wire.Final):
+                    first = False
+                    first_seen.append(True)
+                    ttft_ms = (self.clock() - t_recv) * 1000.0
+                    # now, not earlier: see OverlayHost.take_stream
+                    self.host.refill_pool(peer, wire.INFER_PROTOCOL)
+                if observed is not None:
+                    if isinstance(frame, wire.Tokens):
+                        observed.text.append(frame.text)
+                        observed.ids.extend(frame.token_ids)
+                        if frame.text and not frame.token_ids:
+                            observed.ids_complete = False
+                    elif isinstance(frame, wire.Final):
+                        observed.final = frame
+                if isinstance(frame, wire.Final):
+                    frame = _patch_ttft(frame, self.me, ttft_ms)
+                    if self.trust is not None:
+                        self._observe_final(peer, claimed, frame)
+                if isinstance(frame, wire.End):
+                    return
+                await out.send(frame)
+                if isinstance(frame, wire.Error):
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except (HostError, wire.WireError) as exc:
+            failure.append(f"{type(exc).__name__}: {exc}")
+        except _HopFailed as exc:
+            failure.append(str(exc))
 
     def _mark_not_serving(self, peer: bytes, ns: bytes) -> None:
         key = (peer, ns)

@@ -188,7 +188,8 @@ def test_unknown_namespace_and_duplicate_ids_are_refused(tmp_path):
                 await fs.send(wire.Request(id=b"1" * 16, ns=b"?" * 8, tokens=(1, 2, 3),
                                            deadline=time.time() + 10))
                 err = await fs.receive()
-                assert isinstance(err, wire.Error) and err.code == "unknown_namespace"
+                # from a client (no trace), a namespace nobody serves is a wrong secret
+                assert isinstance(err, wire.Error) and err.code == "unauthorized", err
                 tenant = await ca.tenant()
                 rid, deadline = b"2" * 16, time.time() + 10
                 req = wire.Request(id=rid, ns=tenant.ns_id, credential=tenant.credential(rid, deadline),
@@ -502,5 +503,97 @@ def test_peer_without_the_namespace_is_retried_around_and_remembered(tmp_path):
             record = a.infer.trust.record(b.identity.peer_id)
             assert record is None or record.failures == 0
             await _shutdown([a, b])
+
+    trio.run(main)
+
+
+class _Recorder:
+    """An InferObserver that keeps every event (overlay/events.py)."""
+
+    def __init__(self):
+        self.started: list[tuple[bytes, bool]] = []
+        self.done: list = []
+        self.forwards: list[tuple[str, str]] = []
+        self.fallbacks: list[str] = []
+
+    def request_started(self, request_id, entry):
+        self.started.append((request_id, entry))
+
+    def request_done(self, event):
+        self.done.append(event)
+
+    def forwarded(self, decision, reason):
+        self.forwards.append((decision, reason))
+
+    def fallback(self, reason):
+        self.fallbacks.append(reason)
+
+
+def test_observer_hears_one_event_per_request_on_every_node(tmp_path):
+    """Entry and serving node each report the request once (entry or forwarded, what they
+    did, who served, tokens, times); a rejected request reports its stable error code."""
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b = await _start(nursery, tmp_path, 2)
+            rec_a, rec_b = _Recorder(), _Recorder()
+            a.observers.add(rec_a)
+            b.observers.add(rec_b)
+            async with Client.connect(b.full_addrs()[0]) as cb:
+                await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=2, hop_budget=0)
+            await _wait(lambda: _knows(a, b))
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                ans = await ca.ask([("system", SYSTEM), ("user", "z")], max_tokens=3)
+                assert ans.final.serving == b.identity.peer_id
+                stream = await ca.host.open_stream(a.identity.peer_id, wire.INFER_PROTOCOL)
+                from prefixmesh.overlay.host import FramedStream
+
+                fs = FramedStream(stream)
+                await fs.send(wire.Request(id=b"9" * 16, ns=b"?" * 8, tokens=(1, 2, 3),
+                                           deadline=time.time() + 10))
+                assert (await fs.receive()).code == "unauthorized"
+            await _wait(lambda: len(rec_a.done) == 2 and len(rec_b.done) == 2)
+            # b: its own client's request, then the one a forwarded
+            assert [e for _, e in rec_b.started] == [True, False]
+            fwd_b = rec_b.done[1]
+            assert (fwd_b.entry, fwd_b.action, fwd_b.error) == (False, "serve", "")
+            assert fwd_b.served_by == b.identity.peer_id and fwd_b.cached_tokens > 0
+            # a: the forwarded request, then the rejection
+            done = rec_a.done[0]
+            assert (done.entry, done.action, done.error) == (True, "forward", "")
+            assert done.served_by == b.identity.peer_id
+            assert done.prompt_tokens == ans.final.prompt_tokens
+            assert done.cached_tokens == ans.final.cached_tokens
+            assert done.completion_tokens == ans.final.completion_tokens
+            assert 0 <= done.ttft_s <= done.total_s
+            assert len(done.route) == 2 and "forward" in done.route[0]
+            assert rec_a.forwards and rec_a.forwards[0][0] == "forward"
+            assert "forward to" in rec_a.forwards[0][1]
+            rejected = rec_a.done[1]
+            assert (rejected.action, rejected.error, rejected.served_by) == (
+                "reject", "unauthorized", b"")
+            assert len(rec_a.started) == 2 and rec_a.fallbacks == []
+            await _shutdown([a, b])
+
+    trio.run(main)
+
+
+def test_prompt_longer_than_the_context_is_refused_before_routing(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            (a,) = await _start(nursery, tmp_path, 1,
+                                backends=[SimulatedBackend(context_tokens=64)])
+            rec = _Recorder()
+            a.observers.add(rec)
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                with pytest.raises(RequestFailed) as info:
+                    await ca.ask([("system", SYSTEM), ("user", "x")], max_tokens=1)
+                assert info.value.code == "context_length_exceeded"
+                assert "context of 64 tokens" in str(info.value)
+                ok = await ca.ask([("user", "hi")], max_tokens=1)  # short prompts still run
+                assert ok.final.serving == a.identity.peer_id
+            assert [(e.action, e.error) for e in rec.done] == [
+                ("reject", "context_length_exceeded"), ("serve", "")]
+            await _shutdown([a])
 
     trio.run(main)

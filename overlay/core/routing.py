@@ -104,6 +104,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 __all__ = [
+    "BASELINE_POLICIES",
+    "DEPLOYABLE_POLICIES",
     "FORWARD",
     "POLICY_NAMES",
     "SERVE",
@@ -135,6 +137,10 @@ __all__ = [
 
 SERVE = "serve"
 FORWARD = "forward"
+#: what a node may run (node/config.py validates [routing] policy against it); the rest
+#: are baselines for the simulator and the swarm benchmark
+DEPLOYABLE_POLICIES = ("prefixmesh", "local")
+BASELINE_POLICIES = ("paper", "round-robin", "random", "consistent-hash", "oracle")
 POLICY_NAMES = (
     "prefixmesh",
     "paper",

@@ -142,6 +142,7 @@ ERROR_CODES = frozenset(
         "bad_request",  # the request violates the protocol or its limits
         "unauthorized",  # the namespace credential is missing or wrong
         "unknown_namespace",  # this node serves no such namespace
+        "context_length_exceeded",  # the prompt does not fit the serving nodes' context
         "overloaded",  # queue full
         "deadline",  # the request's deadline passed before it completed
         "no_route",  # every candidate failed and local serving is impossible
