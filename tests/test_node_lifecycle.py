@@ -274,3 +274,31 @@ def test_sigterm_during_start_up_exits_at_once(tmp_path):
     assert rc in (0, 130), node.log_tail()
     if rc == 130:
         assert "during start-up: exiting now" in node.log_tail()
+
+
+def test_prefixmesh_node_with_defaults_stops_on_ctrl_c(tmp_path):
+    """As the README runs it: ``prefixmesh node`` (mDNS on by default), then Ctrl-C."""
+    from _model_fixture import default_model_path
+
+    script = Path(sys.executable).parent / "prefixmesh"
+    cli = [str(script)] if script.exists() else [sys.executable, "-m", "prefixmesh"]
+    proc = subprocess.Popen(
+        [*cli, "node", "--model", str(default_model_path()), "--n-threads", "1",
+         "--key-file", str(tmp_path / "node.key"), "--cache-dir", str(tmp_path / "kv")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        for line in proc.stdout:
+            if line.strip() == "ready":
+                break
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=STOP_BOUND_S)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\nprefixmesh node stopped {took:.2f} s after Ctrl-C")
+    assert proc.returncode == 0, err
+    assert "stopped in" in err and "mDNS discovery stopped" not in err, err
