@@ -286,6 +286,7 @@ class Node:
                             fraction=self.options.spot_check_fraction)
                 if self.options.spot_check_fraction > 0 else None
             ),
+            observer=self.observers,
         )
         if self.options.fault:
             log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", self.options.fault)
