@@ -26,8 +26,9 @@ Unified behaviour (the node and the simulator used to differ; docs/bench/sim.md)
 
 - candidates: every peer some digest says holds a prefix of the chain, plus up to
   :data:`MAX_SHED_CANDIDATES` unmatched peers to shed load to, drawn at random from the
-  eligible ones (the simulator's rule; the node took the least loaded by PONG, which
-  herds: in the simulator it raised Zipf 1.5's max/mean load from 1.23 to 1.35);
+  eligible ones with a load figure (the simulator's rule; the node took the least loaded
+  by PONG, which herds: in the simulator it raised Zipf 1.5's max/mean load from 1.23 to
+  1.35);
 - a peer with no load figure at all (no PONG, no digest) is not a candidate: it cannot be
   priced;
 - matched tokens are ``blocks * BLOCK_TOKENS`` capped at the prompt;
@@ -389,11 +390,11 @@ class Planner:
         # a few unmatched peers, drawn at random, let the policy shed load (the power of
         # two choices: the cost model picks the lighter; "least loaded first" herds every
         # router onto the same peers while load figures are seconds old)
-        pool = sorted(p for p in eligible if p not in matches)
+        loads = {p: known for p in eligible if p not in matches
+                 and (known := self._load(inp, p)) is not None}  # fmt: skip
+        pool = sorted(loads)
         for peer in self.rng.sample(pool, min(MAX_SHED_CANDIDATES, len(pool))):
-            known = self._load(inp, peer)
-            if known is not None:
-                out.append(self._candidate(inp, peer, 0, known))
+            out.append(self._candidate(inp, peer, 0, loads[peer]))
         if inp.subnets is not None and out:
             # Sybil basics: many identities behind one subnet count as few candidates;
             # the most trusted, longest claims of each subnet are kept
