@@ -102,6 +102,12 @@ class ListenAddrInUse(HostError):
     """A listen address cannot be bound: its port is taken, or the address is not ours."""
 
 
+#: fixed (host, port) pairs a host of this process listened on: py-libp2p leaves a closed
+#: host's listening socket open, so a later host of the same process (tests) would find
+#: its own port "in use"; the check is about *other* processes
+_bound_here: set[tuple[str, int]] = set()
+
+
 def check_listen_addrs_free(addrs: Sequence[str]) -> None:
     """Bind each ``/ip4|ip6/HOST/tcp/PORT`` (PORT > 0) briefly *without* SO_REUSEPORT;
     raises :class:`ListenAddrInUse` naming the address if that fails (module docstring)."""
@@ -110,8 +116,8 @@ def check_listen_addrs_free(addrs: Sequence[str]) -> None:
         if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
             continue
         host, port = parts[1], int(parts[3])
-        if port == 0:
-            continue  # the kernel picks a free port
+        if port == 0 or (host, port) in _bound_here:
+            continue  # the kernel picks a free port / our own earlier listener
         family = socket.AF_INET6 if parts[0] == "ip6" else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
             # SO_REUSEADDR (as trio's listeners): a port left in TIME_WAIT by our previous
@@ -316,6 +322,10 @@ class OverlayHost:
         check_listen_addrs_free([str(a) for a in self._listen])
         try:
             async with self.libp2p.run(listen_addrs=self._listen), trio.open_nursery() as nursery:
+                for a in self._listen:
+                    parts = str(a).strip("/").split("/")
+                    if len(parts) >= 4 and parts[2] == "tcp" and parts[3] != "0":
+                        _bound_here.add((parts[1], int(parts[3])))
                 self._nursery = nursery
                 try:
                     yield self
