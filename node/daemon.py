@@ -44,8 +44,9 @@ logged with evidence (``spot check MISMATCH``). Counters are in ``stats``
 
 Test-only fault injection (never set it in production): the environment variable
 ``PREFIXMESH_FAULT`` makes a node misbehave on purpose so that swarm tests can show the
-defences work. ``wrong-tokens``: requests this node serves *for other nodes* get altered
-text ("#" before every chunk) and token ids (+1). ``lie-digest``: the node advertises in its
+defences work. ``wrong-tokens`` is injected by the test-only entry point
+``tests/_fault_node.py`` (a wrapping Backend: "#" before every chunk, token ids + 1), not
+here. ``lie-digest``: the node advertises in its
 digest the block hashes of every prompt listed in the JSON file named by
 ``PREFIXMESH_FAULT_PROMPTS`` (a list of message lists, ``[[["system", "..."], ...], ...]``),
 in every namespace it serves, without holding them.
@@ -274,7 +275,6 @@ class Node:
             policy=self.policy,
             settings=InferSettings(
                 hop_budget=rc.hop_budget,
-                fault=self.options.fault,
                 peer_request_rate=config.limits.peer_request_rate,
                 peer_request_burst=config.limits.peer_request_burst,
                 max_peers_per_subnet=config.limits.max_peers_per_subnet,
@@ -498,7 +498,7 @@ class Node:
 
         def make_stream(fp: bytes, at: float) -> AntiEntropy:
             # epoch: the stream's creation time (ms), later than any earlier incarnation's
-            return AntiEntropy(
+            stream = AntiEntropy(
                 identity,
                 fp,
                 epoch=int(at * 1000),
@@ -509,6 +509,8 @@ class Node:
                 compaction_ratio=dc.compaction_ratio,
                 min_record_interval=min(dc.min_record_interval_s, refresh / 2),
             )
+            stream.origin_merit = self.heartbeat.merit  # admission by merit (issue 14)
+            return stream
 
         return PartitionedDigest(
             identity,

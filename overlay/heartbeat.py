@@ -43,7 +43,7 @@ import trio
 
 from .core import wire
 from .core.admission import LONG_STANDING, NEVER_UP, SEEN_UP
-from .core.dialing import MAX_HINT_PEERS, DialGate, give_up
+from .core.dialing import MAX_HINT_PEERS, NEVER_UP_ATTEMPTS, DialGate, give_up
 from .core.identity import peer_id_to_b58
 from .host import FramedStream, HostError, OverlayHost
 from .libp2p_guard import outbound_room
@@ -237,6 +237,12 @@ class Heartbeat:
                 raise HostError("no address known to dial")
             now = time.monotonic()
             ticket = self.gate.admit(addrs, now) if self._outbound_room() else None
+            if ticket is None and h.pongs == 0 and not self.persistent(peer) and (
+                    self.gate.saturated(addrs, now)):
+                # a hint naming only addresses already knocked at to their budget: give it
+                # up now instead of holding a monitoring slot while it waits for tokens
+                h.failed_dials = max(h.failed_dials, NEVER_UP_ATTEMPTS - 1)
+                raise HostError("every address of this peer is over its dial budget")
             if ticket is None:
                 wait = self.gate.retry_after_s(addrs, now)
                 await trio.sleep(min(max(wait, 0.1), self.backoff_max_s))

@@ -98,3 +98,16 @@ def test_give_up_ends_never_answered_peers_and_long_down_ones():
     assert not give_up(ever_up=True, failed_attempts=99, down_for_s=299.0, forget_after_s=300)
     assert give_up(ever_up=True, failed_attempts=0, down_for_s=301.0, forget_after_s=300)
     assert not give_up(ever_up=True, failed_attempts=0, down_for_s=None, forget_after_s=300)
+
+
+def test_saturated_means_no_address_has_a_token():
+    gate = DialGate(max_in_flight=100)
+    addrs = ["/ip4/10.9.9.9/tcp/1"]
+    assert not gate.saturated(addrs, 0.0)
+    for _ in range(int(dialing.ADDR_BURST)):
+        t = gate.admit(addrs, 0.0)
+        assert t is not None
+        gate.done(t, ok=False)
+    assert gate.saturated(addrs, 0.0) and gate.admit(addrs, 0.0) is None
+    assert not gate.saturated(addrs + ["/ip4/10.9.9.8/tcp/1"], 0.0)
+    assert not gate.saturated(addrs, 1.0 / dialing.ADDR_RATE_PER_S)  # refilled

@@ -1,6 +1,8 @@
 """Heartbeat's bounded dialing on real py-libp2p hosts over loopback: hint peers that never
 answer are dialled a bounded number of times and forgotten, at most MAX_HINT_PEERS are
-monitored at once, and a peer that dials us is monitored at once whatever the hint load."""
+monitored at once, a peer that dials us is monitored at once whatever the hint load, and
+an honest hint queued behind a flood of hints naming the same saturated addresses gets its
+turn (those are given up without a dial)."""
 
 from __future__ import annotations
 
@@ -67,20 +69,25 @@ def test_a_flood_of_hint_peers_is_bounded_and_an_honest_peer_still_gets_in():
         async with trio.open_nursery() as nursery:
             port = await _counting_listeners(nursery, counts)
             node, honest = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
-            async with node.run(), honest.run():
+            quiet = OverlayHost(Identity.generate())  # honest, learned only as a hint
+            async with node.run(), honest.run(), quiet.run():
                 foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
                 addrs = {Identity.generate().peer_id: foreign for _ in range(300)}
                 hb = _heartbeat(node, addrs)
                 await nursery.start(hb.run)
                 hb_honest = _heartbeat(honest, {node.peer_id: node.listen_addrs()})
                 await nursery.start(hb_honest.run)
+                hb_quiet = _heartbeat(quiet, {})
+                await nursery.start(hb_quiet.run)  # answers PINGs, dials nobody
                 for p in addrs:
                     hb.watch(p)
+                addrs[quiet.peer_id] = quiet.listen_addrs()
+                hb.watch(quiet.peer_id)  # queued behind 268 flood hints
                 most = 0
                 t0 = trio.current_time()
                 hb_honest.watch(node.peer_id)  # the honest peer dials the flooded node
                 with trio.fail_after(20):
-                    while not hb.is_up(honest.peer_id):
+                    while not (hb.is_up(honest.peer_id) and hb.is_up(quiet.peer_id)):
                         most = max(most, len(hb.monitored()))
                         await trio.sleep(0.05)
                 while trio.current_time() - t0 < 10.0:

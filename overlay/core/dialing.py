@@ -34,7 +34,9 @@ Giving up
 ---------
 :func:`give_up` says when a monitored peer is forgotten: a peer that has *never* answered
 after :data:`NEVER_UP_ATTEMPTS` failed dials (exponential backoff between them), or one
-that was up and has been down longer than ``forget_after_s``.
+that was up and has been down longer than ``forget_after_s``. The heartbeat also gives up
+at once on a never-answered peer all of whose addresses are :meth:`DialGate.saturated`
+(so such hints never hold a monitoring slot while they wait for tokens).
 
 Pure: no trio, libp2p, socket, time or os; time comes in as ``now``.
 """
@@ -174,6 +176,12 @@ class DialGate:
         self.in_flight += 1
         self.admitted += 1
         return DialTicket(tuple(a for a, _ in picked), tuple(s for _, s in picked))
+
+    def saturated(self, addrs: Sequence[str], now: float) -> bool:
+        """True when every one of ``addrs`` is over its address or subnet budget: a hint
+        naming only addresses others already knock at as fast as allowed (finding 1's
+        records all named the same 8) is given up at once rather than queued."""
+        return not self._usable(addrs, now)
 
     def retry_after_s(self, addrs: Sequence[str], now: float) -> float:
         """Seconds until :meth:`admit` might say yes for ``addrs`` (a hint for sleeping)."""
