@@ -102,3 +102,35 @@ def test_a_flood_of_hint_peers_is_bounded_and_an_honest_peer_still_gets_in():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_our_dials_stop_at_the_outbound_share_and_inbound_still_gets_in(monkeypatch):
+    from prefixmesh.overlay import libp2p_guard
+
+    monkeypatch.setattr(libp2p_guard, "MAX_OUTBOUND_CONNECTIONS", 1)
+
+    async def main():
+        node = OverlayHost(Identity.generate())
+        a, b = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+        async with node.run(), a.run(), b.run(), trio.open_nursery() as nursery:
+            addrs = {a.peer_id: a.listen_addrs(), b.peer_id: b.listen_addrs()}
+            hb = _heartbeat(node, addrs)
+            await nursery.start(hb.run)
+            for h in (a, b):
+                await nursery.start(_heartbeat(h, {}).run)  # answer PINGs
+            hb.watch(a.peer_id)
+            with trio.fail_after(10):
+                while not hb.is_up(a.peer_id):
+                    await trio.sleep(0.05)
+            hb.watch(b.peer_id)  # our one outbound slot is taken: no dial
+            await trio.sleep(2.0)
+            assert not node.is_connected(b.peer_id) and hb.gate.admitted == 1
+            hb_b = _heartbeat(b, {node.peer_id: node.listen_addrs()})
+            await nursery.start(hb_b.run)
+            hb_b.watch(node.peer_id)  # b dials in: the inbound share is untouched
+            with trio.fail_after(10):
+                while not hb.is_up(b.peer_id):
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
