@@ -93,11 +93,14 @@ Limits (module constants)
   (:class:`OriginSubnetFull`). Loopback addresses are exempt unless
   ``exempt_loopback=False`` (local test clusters).
 - New origins cost tokens: one delivered by a sender ``sender_known`` says is
-  long-standing costs 1 token of a bucket of :data:`NEW_ORIGIN_BURST` refilled at
-  :data:`NEW_ORIGIN_TOKENS_PER_S`; one delivered by any other sender costs
-  :data:`STRANGER_ORIGIN_COST` tokens of a second bucket of that size shared by all
-  strangers (:class:`NewOriginBudget` when empty): strangers together add at most 64
-  origins at once and 2 per second, and cannot spend the known peers' budget.
+  long-standing (or with no sender given) costs 1 token of a bucket of
+  :data:`KNOWN_ORIGIN_BURST` (1,024) refilled at :data:`KNOWN_ORIGIN_TOKENS_PER_S` (64/s);
+  one delivered by any other sender costs :data:`STRANGER_ORIGIN_COST` (4) tokens of a
+  bucket of :data:`NEW_ORIGIN_BURST` (256) refilled at :data:`NEW_ORIGIN_TOKENS_PER_S`
+  (8/s) shared by all strangers (:class:`NewOriginBudget` when empty): strangers together
+  add at most 64 origins at once and 2 per second, and cannot spend the known peers'
+  budget. A node's peers are strangers for their first 30 s on its heartbeat, so a fresh
+  node in a mesh of more than 64 origins learns the rest over its first half minute.
 - :data:`MAX_DELTAS_PER_ORIGIN` = 256 and :data:`MAX_ORIGIN_BYTES` = 2 MiB held per
   origin (snapshot + deltas); a delta beyond that is refused (:class:`TooManyDeltas`)
   until the origin compacts. Our own compaction keeps us well inside both.
@@ -172,9 +175,13 @@ MAX_ORIGINS = 1024
 #: origins per /24 (/48): 1/16 of the table, so at least 16 address blocks are needed to
 #: fill it (an honest data-centre /24 rarely runs more than a few dozen nodes)
 MAX_ORIGINS_PER_SUBNET = 64
-#: tokens per second and bucket size of each new-origin budget (known senders, strangers)
+#: tokens per second and bucket size of the new-origin budget all strangers share
 NEW_ORIGIN_TOKENS_PER_S = 8.0
 NEW_ORIGIN_BURST = 256.0
+#: the same for long-standing senders: a fresh node fills its whole table from one of them
+#: in one exchange, and a steady mesh never comes near 64 new origins a second
+KNOWN_ORIGIN_TOKENS_PER_S = 64.0
+KNOWN_ORIGIN_BURST = float(MAX_ORIGINS)
 #: what a new origin delivered by a stranger costs (a known sender's costs 1): strangers
 #: add at most 256 / 4 = 64 origins at once, then 2 per second, all of them together
 STRANGER_ORIGIN_COST = 4.0
@@ -360,8 +367,8 @@ class AntiEntropy:
         self.exempt_loopback = exempt_loopback
         self._merits = MeritTable(MAX_ORIGINS_PER_SUBNET)
         self._budgets = {
-            known: PeerRateLimiter(NEW_ORIGIN_TOKENS_PER_S, NEW_ORIGIN_BURST, max_peers=1)
-            for known in (True, False)
+            True: PeerRateLimiter(KNOWN_ORIGIN_TOKENS_PER_S, KNOWN_ORIGIN_BURST, max_peers=1),
+            False: PeerRateLimiter(NEW_ORIGIN_TOKENS_PER_S, NEW_ORIGIN_BURST, max_peers=1),
         }
         self._batch: tuple[float, bytes | None] = (now, None)
         self.tick(now)
