@@ -129,9 +129,6 @@ class InferSettings:
     # partial replication: the most an entry node waits for a home's lookup answer (on
     # expiry: no candidates, decided as if no peer held the prefix)
     lookup_timeout_s: float = 1.0
-    # test-only fault injection (node/daemon.py reads PREFIXMESH_FAULT): "wrong-tokens"
-    # makes this node alter the tokens of requests it serves for other nodes
-    fault: str = ""
 
 
 class _HopFailed(Exception):
@@ -936,9 +933,6 @@ class InferService:
             deadline=req.deadline,
         )
 
-        # test-only fault (PREFIXMESH_FAULT=wrong-tokens): alter what we serve for others
-        corrupt = self.settings.fault == "wrong-tokens" and bool(req.trace)
-
         async def produce(out: trio.MemorySendChannel) -> None:
             ttft_ms = -1.0
             held: list[str] = []  # stream=False: the text goes in one TOKENS frame
@@ -948,8 +942,6 @@ class InferService:
                         if ttft_ms < 0:
                             ttft_ms = (self.clock() - t_recv) * 1000.0
                         if isinstance(ev, TokenChunk):
-                            if corrupt:
-                                ev = TokenChunk("#" + ev.text, tuple(t + 1 for t in ev.token_ids))
                             if not req.stream:
                                 held.append(ev.text)
                                 continue

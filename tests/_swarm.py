@@ -39,7 +39,8 @@ class NodeProc:
         self.root.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log_path = self.root / "node.log"
-        args = [sys.executable, "-m", "prefixmesh.node.daemon",
+        # the daemon's main, through the test-only entry that injects PREFIXMESH_FAULT
+        args = [sys.executable, str(Path(__file__).with_name("_fault_node.py")),
                 "--listen", listen,
                 "--key", str(self.root / "node.key"),
                 "--cache-dir", str(self.root / "cache"),
