@@ -51,6 +51,24 @@ raises :class:`EngineBusy`). Tokenisation/chat rendering (read-only vocabulary) 
 store lookups (under a lock) may be called from any thread. Cancellation of a queued or
 running request is checked between prefill chunks and between generated tokens.
 
+Batch modes (``EngineConfig.batch_mode``). ``"deterministic"`` (the default, on CPU and on
+GPU) is all of the above: one request at a time in sequence 0, so every greedy answer is
+bit-identical to a cold run, which spot checks and mid-stream resume rely on.
+``"throughput"`` is continuous batching (:meth:`Engine._run_batched`): up to ``max_batch``
+requests each hold a sequence of a unified KV cache (``n_seq_max = max_batch + 1``, the
+last one scratch) and every step is ONE ``llama_decode`` carrying the next token of every
+decoding request and prompt chunks of prefilling ones; a request that arrives while
+others decode joins at the next step; a new prefix wanted by several concurrent requests
+is prefilled once and the others copy its cells (``llama_memory_seq_cp``, waiting while
+it is still being prefilled). A row's result depends on how many rows its batch has, so a
+throughput-mode answer may differ from the deterministic one after a few tokens (measured:
+docs/bench/engine.md, section 5); every answer carries ``RequestStats.batch_mode`` so
+that answers are only ever compared within one mode, and the mode is part of the state
+fingerprint, so states of the two modes never mix. Throughput mode saves the body of each
+request as a segment (no branch-point rebase: other sequences hold the context), ignores
+``live_sequence`` and ``snapshot_policy="boundaries"``, and admits a request only when
+its KV cells fit (``n_ctx`` is shared by all sequences; copied prefix cells count once).
+
 Cache events. Every time a prefix becomes cached (first tier) or stops being cached (left
 both tiers), the registered callback gets a :class:`CacheEvent` with the block-hash chain of
 its tokens under the namespace key. Callbacks run on the thread that changed the store
@@ -88,6 +106,7 @@ __all__ = [
     "SamplingParams",
     "EngineConfig",
     "KV_TYPES",
+    "BATCH_MODES",
     "TokenPiece",
     "RequestStats",
     "Completion",
@@ -113,6 +132,7 @@ KV_TYPES = {"f16": 1, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
 # Sequence 0 serves requests; sequence 1 is scratch for moving segment states in and out
 # (a unified KV cache, so llama_memory_seq_cp between them only relabels cells).
 _N_SEQ = 2
+BATCH_MODES = ("deterministic", "throughput")
 
 _EWMA_ALPHA = 0.3
 _MIN_PREFILL_FOR_RATE = 16
@@ -222,6 +242,12 @@ class EngineConfig:
     # keep the last request's prompt body live in sequence 0: a request that extends it
     # (a conversation's next turn) restores nothing (hit_tier "live")
     live_sequence: bool = False
+    # "deterministic" (default): one request at a time, outputs bit-identical to a cold run
+    # through every restore path; "throughput": continuous batching of up to max_batch
+    # requests in shared llama_decode batches (outputs may differ from deterministic mode:
+    # see the module docstring and docs/bench/engine.md, section 5)
+    batch_mode: str = "deterministic"
+    max_batch: int = 8
     seed: int = 0  # llama context seed (unused by our sampler; recorded for completeness)
 
 
@@ -248,6 +274,11 @@ class RequestStats:
     snapshots_saved: int = 0
     snapshot_s: float = 0.0  # saving snapshots after generation (not part of ttft_s)
     finish_reason: str = ""  # "stop" | "length" | "cancelled" | "error"
+    # the engine mode that produced the answer: outputs of "deterministic" answers equal a
+    # cold run; "throughput" answers were computed in shared batches (compare only within
+    # the same mode)
+    batch_mode: str = "deterministic"
+    max_batch_seen: int = 1  # most sequences in one llama_decode call this request was in
 
 
 @dataclass
@@ -349,10 +380,19 @@ class Engine:
         for kv_type in (cfg.type_k, cfg.type_v):
             if kv_type not in KV_TYPES:
                 raise ValueError(f"unknown KV cache type {kv_type!r} (one of {sorted(KV_TYPES)})")
+        if cfg.batch_mode not in BATCH_MODES:
+            raise ValueError(f"unknown batch mode {cfg.batch_mode!r} (one of {BATCH_MODES})")
+        if cfg.batch_mode == "throughput" and not 1 <= cfg.max_batch <= min(63, cfg.n_batch):
+            raise ValueError("max_batch must be in [1, min(63, n_batch)]")
         if cfg.type_v != "f16" and not cfg.flash_attn:
             # llama.cpp refuses a quantized V cache without flash attention
             raise ValueError("a quantized V cache (type_v) needs flash_attn=True")
         self.config = cfg
+        # sequences: deterministic mode serves in 0 with scratch 1; throughput mode serves in
+        # 0..max_batch-1 with scratch max_batch
+        self._batched = cfg.batch_mode == "throughput"
+        self._n_seq = cfg.max_batch + 1 if self._batched else _N_SEQ
+        self._running: set[RequestHandle] = set()
         try:
             self.model_path = resolve_model(cfg.model_path, progress=False)
             self.gguf = read_gguf_info(self.model_path)
@@ -388,9 +428,11 @@ class Engine:
         self.state_fingerprint = hashlib.blake2b(
             b"prefixmesh-kv-state/v1\x00"
             + self.model_fingerprint
-            + f"|llama-cpp-python={llama_cpp.__version__}|flash_attn={cfg.flash_attn}"
+            + (f"|llama-cpp-python={llama_cpp.__version__}|flash_attn={cfg.flash_attn}"
             f"|type_k={cfg.type_k}|type_v={cfg.type_v}|extra_bufts=0|swa_full=1"
-            f"|n_seq_max={_N_SEQ}|kv_unified=1|segments=1".encode(),
+            f"|n_seq_max={self._n_seq}|kv_unified=1|segments=1"
+            + ("" if cfg.batch_mode == "deterministic" else "|batch=throughput")
+            ).encode(),
             digest_size=FINGERPRINT_BYTES,
         ).digest()
         kv_dir = Path(cfg.kv_dir) if cfg.kv_dir is not None else cache_dir() / "kv"
@@ -573,6 +615,8 @@ class Engine:
         current = self._current
         if current is not None:
             current.cancel()  # stops at its next token
+        for running in list(self._running):
+            running.cancel()
         while True:  # cancel what is still queued
             try:
                 h = self._queue.get_nowait()
@@ -602,6 +646,17 @@ class Engine:
             self._loaded.set()
             return
         self._loaded.set()
+        if self._batched:
+            try:
+                self._run_batched()
+            finally:
+                with self._vocab_lock:
+                    llama, self._llama = self._llama, None
+                if llama is not None:
+                    with contextlib.suppress(Exception):
+                        self._lib.llama_batch_free(self._mbatch)
+                        llama.close()
+            return
         try:
             while True:
                 handle = self._queue.get()
@@ -650,7 +705,7 @@ class Engine:
             def context_params_two_sequences():
                 # Llama() exposes neither n_seq_max nor kv_unified
                 p = original_ctx()
-                p.n_seq_max = _N_SEQ
+                p.n_seq_max = self._n_seq
                 p.kv_unified = True
                 return p
 
@@ -751,16 +806,17 @@ class Engine:
             raise EngineError(f"llama_state_seq_get_data wrote {n} of {size} bytes")
         return buf
 
-    def _segment_state(self, start: int, end: int) -> ctypes.Array:
-        """The state of the context's cells at positions [start, end) alone: they are
-        labelled sequence 1 too, saved as that sequence, and unlabelled again."""
+    def _segment_state(self, start: int, end: int, src: int = 0,
+                       scratch: int = 1) -> ctypes.Array:
+        """The state of sequence ``src``'s cells at positions [start, end) alone: they are
+        labelled sequence ``scratch`` too, saved as that sequence, and unlabelled again."""
         lib, mem = self._lib, self._mem
-        lib.llama_memory_seq_rm(mem, 1, -1, -1)
-        lib.llama_memory_seq_cp(mem, 0, 1, start, end)
+        lib.llama_memory_seq_rm(mem, scratch, -1, -1)
+        lib.llama_memory_seq_cp(mem, src, scratch, start, end)
         try:
-            return self._snapshot(1)
+            return self._snapshot(scratch)
         finally:
-            lib.llama_memory_seq_rm(mem, 1, -1, -1)
+            lib.llama_memory_seq_rm(mem, scratch, -1, -1)
 
     @staticmethod
     def _as_buffer(data) -> ctypes.Array:
@@ -770,7 +826,8 @@ class Engine:
             return (ctypes.c_uint8 * len(data)).from_buffer(data)
         return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
 
-    def _restore(self, lease: Lease, length: int) -> bool:
+    def _restore(self, lease: Lease, length: int, seq: int = 0, scratch: int = 1,
+                 clear: bool = True) -> bool:
         """Load ``lease``'s chain of states into sequence 0 and cut it to ``length`` tokens.
 
         The first state (a whole prefix) goes straight into sequence 0; each further
@@ -778,24 +835,32 @@ class Engine:
         relabelled sequence 0 (``seq_cp`` + ``seq_rm``). Cells land in the order a cold
         prefill would put them, so greedy outputs stay bit-identical (tested)."""
         lib, mem = self._lib, self._mem
-        lib.llama_memory_clear(mem, True)
+
+        def wipe():
+            if clear:
+                lib.llama_memory_clear(mem, True)
+            else:
+                lib.llama_memory_seq_rm(mem, seq, -1, -1)
+                lib.llama_memory_seq_rm(mem, scratch, -1, -1)
+
+        wipe()
         held = 0
         for i, (base, data) in enumerate(lease.segments):
             if base >= length:
                 break  # the rest is past what this request uses
             buf = self._as_buffer(data)
-            seq = 0 if i == 0 else 1
-            if lib.llama_state_seq_set_data(self._ctx, buf, len(buf), seq) == 0:
-                lib.llama_memory_clear(mem, True)
+            target = seq if i == 0 else scratch
+            if lib.llama_state_seq_set_data(self._ctx, buf, len(buf), target) == 0:
+                wipe()
                 return False
-            if seq == 1:
-                lib.llama_memory_seq_cp(mem, 1, 0, -1, -1)
-                lib.llama_memory_seq_rm(mem, 1, -1, -1)
+            if target == scratch:
+                lib.llama_memory_seq_cp(mem, scratch, seq, -1, -1)
+                lib.llama_memory_seq_rm(mem, scratch, -1, -1)
             nxt = lease.segments[i + 1][0] if i + 1 < len(lease.segments) else None
             held = nxt if nxt is not None else lease.entry_tokens
         if held > length:
-            if not lib.llama_memory_seq_rm(mem, 0, length, -1):
-                lib.llama_memory_clear(mem, True)
+            if not lib.llama_memory_seq_rm(mem, seq, length, -1):
+                wipe()
                 return False
         return True
 
@@ -951,7 +1016,8 @@ class Engine:
         return Completion(generated, "".join(text_parts), finish, stats)
 
     def _save_snapshots(self, ns_id: bytes, tokens: Sequence[int], points: list[int],
-                        stats: RequestStats) -> None:
+                        stats: RequestStats, src: int = 0, scratch: int = 1,
+                        rebase_ok: bool = True) -> None:
         """Save each snapshot point as a segment on the longest stored prefix of it.
 
         Taken after generation, so it costs no time to first token; the context's cells of
@@ -973,14 +1039,16 @@ class Engine:
             base = store.parent_length(ns_id, prefix)
             split, other, other_base = store.branch_point(ns_id, prefix)
             if other is not None and split - base >= min_share and other_base <= base:
-                if store.put(ns_id, prefix[:split], self._segment_state(base, split), base=base):
+                if store.put(ns_id, prefix[:split], self._segment_state(base, split, src, scratch),
+                             base=base):
                     stats.snapshots_saved += 1
                     if other_base == base:
                         rebase = (other, split)
                     base = split
-            if store.put(ns_id, prefix, self._segment_state(base, point), base=base):
+            if store.put(ns_id, prefix, self._segment_state(base, point, src, scratch),
+                         base=base):
                 stats.snapshots_saved += 1
-        if rebase is not None:
+        if rebase is not None and rebase_ok:
             self._rebase(ns_id, *rebase)
         stats.snapshot_s = time.perf_counter() - t0
 
@@ -1014,6 +1082,301 @@ class Engine:
         finally:
             lease.release()
             self._lib.llama_memory_clear(self._mem, True)
+
+
+    # ---------------------------------------------------------------- throughput mode
+
+    def _run_batched(self) -> None:
+        """Continuous batching (``batch_mode="throughput"``), on the worker thread.
+
+        Up to ``max_batch`` requests hold a sequence each (ids 0..max_batch-1; max_batch is
+        scratch for segment states). Every step builds ONE ``llama_decode`` batch: the next
+        token of every decoding sequence plus as many prompt tokens of prefilling sequences
+        as fit in n_batch; a request that arrives meanwhile is admitted before the next
+        step. A new request whose prompt shares a longer prefix with a running request than
+        the store holds copies those cells (``llama_memory_seq_cp``: one computation, shared
+        cells); if that request is still prefilling, the newcomer waits for it."""
+        lib = self._lib
+        n_slots = self.config.max_batch
+        self._scratch = n_slots
+        self._mbatch = lib.llama_batch_init(self._llama.n_batch, 0, 1)
+        free = list(range(n_slots))
+        slots: list[_Slot] = []
+        pending: list[RequestHandle] = []
+        stopping = False
+        while True:
+            items = []
+            if not slots and not pending:
+                items.append(self._queue.get())
+            # take from the queue only what free sequences can start: the rest stays queued
+            # (bounded by max_queue, so a full engine still answers EngineBusy)
+            while len(pending) + len(items) < len(free):
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for handle in items:
+                if handle is None:
+                    stopping = True
+                else:
+                    pending.append(handle)
+            if stopping:
+                for handle in pending:
+                    handle._finish(Completion([], "", "cancelled", RequestStats(
+                        prompt_tokens=len(handle.tokens), finish_reason="cancelled",
+                        batch_mode="throughput")), None)
+                for slot in slots:
+                    slot.h.cancel()
+                    self._retire(slot, "cancelled")
+                return
+            # admit while sequences and KV cells last
+            while pending and free:
+                h = pending[0]
+                if h.cancelled:
+                    pending.pop(0)
+                    h._finish(Completion([], "", "cancelled", RequestStats(
+                        prompt_tokens=len(h.tokens), finish_reason="cancelled",
+                        batch_mode="throughput")), None)
+                    continue
+                shared = max((_common_prefix(s.h.tokens, h.tokens, len(h.tokens) - 1)
+                              for s in slots if s.h.ns.id == h.ns.id), default=0)
+                need = len(h.tokens) + h.params.max_tokens - shared
+                if slots and sum(s.need for s in slots) + need > self.n_ctx:
+                    break  # waits for cells; the copy of a shared prefix is not counted
+                pending.pop(0)
+                seq = free.pop(0)
+                try:
+                    slot = self._admit(h, seq, slots)
+                except Exception as exc:
+                    log.exception("request %d failed", h.id)
+                    lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                    free.append(seq)
+                    h._finish(None, exc)
+                    continue
+                slots.append(slot)
+                self._running.add(h)
+            self._active = len(slots)
+            if not slots:
+                continue
+            try:
+                self._step(slots)
+            except Exception as exc:
+                log.exception("batched decode failed")
+                for slot in slots:
+                    slot.error = exc
+                    slot.finish = "error"
+            for slot in [s for s in slots if s.finish]:
+                slots.remove(slot)
+                self._retire(slot, slot.finish)
+                free.append(slot.seq)
+                free.sort()
+            self._active = len(slots)
+
+    def _admit(self, h: RequestHandle, seq: int, slots: list[_Slot]) -> _Slot:
+        slot = _Slot(h, seq)
+        slot.stats = RequestStats(prompt_tokens=len(h.tokens), batch_mode="throughput")
+        slot.t_start = time.perf_counter()
+        slot.stats.queue_wait_s = slot.t_start - h.submitted_at
+        slot.need = len(h.tokens) + h.params.max_tokens
+        if h.params.temperature > 0:
+            slot.rng = np.random.default_rng(h.params.seed)
+        slot.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._place(slot, slots)
+        return slot
+
+    def _place(self, slot: _Slot, slots: list[_Slot]) -> None:
+        """Give ``slot`` its prefix: cells copied from a running sequence (or wait for them),
+        else a restore from the store, else nothing (cold)."""
+        lib, mem = self._lib, self._mem
+        h = slot.h
+        tokens, body_end = h.tokens, len(h.tokens) - 1
+        lib.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+        slot.n_past = 0
+        if body_end < 1:
+            slot.phase = "prefill"
+            return
+        lease = self.store.acquire(h.ns.id, tokens[:body_end])
+        stored = lease.length if lease is not None else 0
+        best, best_len = None, 0
+        if self._can_truncate:
+            for other in slots:
+                if other is slot or other.phase == "wait" or other.h.ns.id != h.ns.id:
+                    continue
+                n = _common_prefix(other.h.tokens, tokens, body_end)
+                if n > best_len:
+                    best, best_len = other, n
+        if best is not None and (best_len > stored
+                                 or (best_len == stored and best.n_past >= best_len)):
+            if lease is not None:
+                lease.release()
+            slot.source, slot.shared = best, best_len
+            slot.phase = "wait"
+            self._try_copy(slot)
+            return
+        slot.phase = "prefill"
+        if lease is None:
+            return
+        try:
+            t0 = time.perf_counter()
+            use = lease.length
+            if use > 0 and (use == lease.entry_tokens or self._can_truncate):
+                if self._restore(lease, use, slot.seq, self._scratch, clear=False):
+                    slot.n_past = use
+                    slot.stats.hit_tier = lease.tier
+                else:
+                    log.warning("llama refused a stored state; dropping it and running cold")
+                    with contextlib.suppress(Exception):
+                        self.store.remove(h.ns.id, lease.tokens)
+            slot.stats.restore_s = time.perf_counter() - t0
+        finally:
+            lease.release()
+        slot.stats.cached_tokens = slot.n_past
+
+    def _try_copy(self, slot: _Slot) -> None:
+        """A waiting slot takes its shared prefix once its source has computed it."""
+        src = slot.source
+        if src.n_past >= slot.shared and src.phase != "wait":
+            self._lib.llama_memory_seq_cp(self._mem, src.seq, slot.seq, 0, slot.shared)
+            slot.n_past = slot.shared
+            slot.stats.cached_tokens = slot.shared
+            slot.stats.hit_tier = "live"
+            slot.need -= slot.shared  # those cells are shared with the source
+            slot.phase = "prefill"
+            slot.source = None
+
+    def _step(self, slots: list[_Slot]) -> None:
+        lib, b = self._lib, self._mbatch
+        for slot in slots:
+            if slot.h.cancelled and not slot.finish:
+                slot.finish = "cancelled"
+            elif slot.phase == "wait":
+                if slot.source.finish or slot.source not in slots:
+                    self._place(slot, [s for s in slots if not s.finish])  # source gone
+                else:
+                    self._try_copy(slot)
+        budget = self._llama.n_batch
+        n = 0
+        parts: list[tuple[_Slot, int, int]] = []  # (slot, tokens added, index of logits or -1)
+        for slot in slots:  # one token for every decoding sequence first
+            if slot.finish or slot.phase != "decode":
+                continue
+            b.token[n], b.pos[n], b.n_seq_id[n] = slot.next_tok, slot.n_past, 1
+            b.seq_id[n][0], b.logits[n] = slot.seq, 1
+            parts.append((slot, 1, n))
+            n += 1
+        for slot in slots:
+            if slot.finish or slot.phase != "prefill" or n >= budget:
+                continue
+            tokens = slot.h.tokens
+            take = min(budget - n, len(tokens) - slot.n_past)
+            if slot.t_prefill == 0.0:
+                slot.t_prefill = time.perf_counter()
+            for j in range(take):
+                pos = slot.n_past + j
+                b.token[n], b.pos[n], b.n_seq_id[n] = tokens[pos], pos, 1
+                b.seq_id[n][0] = slot.seq
+                b.logits[n] = 1 if pos == len(tokens) - 1 else 0
+                n += 1
+            parts.append((slot, take, n - 1 if slot.n_past + take == len(tokens) else -1))
+        if n == 0:
+            return
+        b.n_tokens = n
+        rc = lib.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc} ({n} tokens)")
+        n_seqs = len(parts)
+        now = time.perf_counter()
+        for slot, added, idx in parts:
+            slot.n_past += added
+            slot.stats.max_batch_seen = max(slot.stats.max_batch_seen, n_seqs)
+            if idx < 0:
+                continue
+            if slot.phase == "prefill":
+                slot.phase = "decode"
+                slot.stats.prefill_s = now - slot.t_prefill
+                slot.stats.prefill_tokens = len(slot.h.tokens) - slot.stats.cached_tokens
+            ptr = lib.llama_get_logits_ith(self._ctx, idx)
+            logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+            tok = self._sample(logits, slot.h.params, slot.rng)
+            if slot.t_first == 0.0:
+                slot.t_first = time.perf_counter()
+                slot.stats.ttft_s = slot.t_first - slot.t_start
+            if lib.llama_vocab_is_eog(self._vocab, tok):
+                slot.finish = "stop"
+                continue
+            slot.generated.append(tok)
+            piece = slot.decoder.decode(self._llama.detokenize([tok]))
+            slot.text_parts.append(piece)
+            slot.h._emit(TokenPiece(tok, piece))
+            if len(slot.generated) >= slot.h.params.max_tokens:
+                slot.finish = "length"
+            elif slot.h.cancelled:
+                slot.finish = "cancelled"
+            else:
+                slot.next_tok = tok
+
+    def _retire(self, slot: _Slot, finish: str) -> None:
+        """Finish ``slot``'s request: save its body (a segment on the longest stored prefix;
+        no rebase, other sequences hold the context), free its sequence."""
+        stats, h = slot.stats, slot.h
+        self._running.discard(h)
+        try:
+            body_end = len(h.tokens) - 1
+            if (slot.phase == "decode" and body_end >= self.config.min_snapshot_tokens
+                    and body_end > stats.cached_tokens and finish != "error"):
+                self._save_snapshots(h.ns.id, h.tokens, [body_end], stats, src=slot.seq,
+                                     scratch=self._scratch, rebase_ok=False)
+        except Exception:
+            log.exception("saving the snapshot of request %d failed", h.id)
+        finally:
+            self._lib.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
+        if slot.error is not None:
+            h._finish(None, slot.error)
+            return
+        tail = slot.decoder.decode(b"", final=True)
+        if tail:
+            slot.text_parts.append(tail)
+        t_end = time.perf_counter()
+        stats.completion_tokens = len(slot.generated)
+        stats.decode_s = t_end - (slot.t_first or t_end)
+        if len(slot.generated) > 1 and stats.decode_s > 0:
+            stats.decode_tps = (len(slot.generated) - 1) / stats.decode_s
+            self._decode_tps = _ewma(self._decode_tps, stats.decode_tps)
+        if stats.prefill_tokens >= _MIN_PREFILL_FOR_RATE and stats.prefill_s > 0:
+            self._prefill_tps = _ewma(self._prefill_tps, stats.prefill_tokens / stats.prefill_s)
+        stats.total_s = t_end - slot.t_start
+        stats.finish_reason = finish
+        h._finish(Completion(slot.generated, "".join(slot.text_parts), finish, stats), None)
+
+
+class _Slot:
+    """A request holding a sequence in throughput mode (worker thread only)."""
+
+    def __init__(self, h: RequestHandle, seq: int) -> None:
+        self.h, self.seq = h, seq
+        self.stats = RequestStats()
+        self.phase = "prefill"  # "wait" (for a running sequence's prefix) | "prefill" | "decode"
+        self.n_past = 0
+        self.need = 0  # KV cells this request may take (admission control)
+        self.source: _Slot | None = None
+        self.shared = 0
+        self.next_tok = 0
+        self.generated: list[int] = []
+        self.text_parts: list[str] = []
+        self.decoder = None
+        self.rng = None
+        self.t_start = self.t_prefill = self.t_first = 0.0
+        self.finish = ""
+        self.error: BaseException | None = None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit], strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _ewma(old: float, new: float) -> float:
