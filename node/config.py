@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixmesh.inference.engine import BATCH_MODES, KV_TYPES
+
 from .sizes import SIZE_HINT, SizeError, format_size, parse_size
 from .tenants import TenantConfigError, TenantSpec, default_tenant_specs, parse_tenant
 
@@ -459,6 +461,9 @@ class NodeSection:
                          doc="where KV cache states are kept on disk", kind="path")
     ram_budget: int = _f(1024**3, check=_size, doc="KV cache budget in memory", kind="size")
     disk_budget: int = _f(8 * 1024**3, check=_size, doc="KV cache budget on disk", kind="size")
+    kv_write_delay_s: float = _f(2.0, check=_float(0.0, 3600.0),
+                                 doc="a new cached prefix is on disk within this many seconds "
+                                     "(a crash loses at most that window)")
     log_level: str = _f("info", check=_choice(LOG_LEVELS), doc=" | ".join(LOG_LEVELS))
     log_format: str = _f("text", check=_choice(LOG_FORMATS),
                          doc="text | json (one JSON object per line)")
@@ -471,6 +476,18 @@ class ModelSection:
     n_ctx: int = _f(4096, check=_int(128, 1 << 20), doc="context length in tokens")
     n_threads: int = _f(0, check=_int(0, 1024), doc="CPU threads (0 = llama.cpp default)")
     n_gpu_layers: int = _f(0, check=_int(-1, 10_000), doc="layers offloaded to a GPU (-1 = all)")
+    # the KV cache's element types: q8_0 K stores 0.77x the bytes per token but changed
+    # 30 of 50 greedy answers (docs/bench/engine.md), so f16 stays the default
+    kv_type_k: str = _f("f16", check=_choice(tuple(KV_TYPES)),
+                        doc="KV cache K type: " + " | ".join(KV_TYPES))
+    kv_type_v: str = _f("f16", check=_choice(tuple(KV_TYPES)),
+                        doc="KV cache V type (quantized V needs flash_attn)")
+    flash_attn: bool = _f(False, check=_bool, doc="llama.cpp flash attention")
+    live_sequence: bool = _f(False, check=_bool,
+                             doc="keep the last prompt resident: its next turn restores nothing")
+    batch_mode: str = _f("deterministic", check=_choice(BATCH_MODES),
+                         doc="deterministic (bit-identical to a cold run) | throughput "
+                             "(continuous batching)")
 
 
 @dataclass

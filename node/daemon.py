@@ -191,6 +191,12 @@ def _make_backend(config, options: NodeOptions) -> Backend:
         kv_dir=config.node.cache_dir,
         ram_budget_bytes=config.node.ram_budget,
         disk_budget_bytes=config.node.disk_budget,
+        write_delay_s=config.node.kv_write_delay_s,
+        type_k=config.model.kv_type_k,
+        type_v=config.model.kv_type_v,
+        flash_attn=config.model.flash_attn,
+        live_sequence=config.model.live_sequence,
+        batch_mode=config.model.batch_mode,
     )
 
 

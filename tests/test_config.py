@@ -499,3 +499,29 @@ def test_digest_partition_keys_defaults_and_values(tmp_path):
 )
 def test_digest_partition_keys_bad_values_name_the_key(tmp_path, text, expected):
     assert expected in err(tmp_path, "[digest]\n" + text + "\n")
+
+
+def test_engine_keys_reach_the_engine(tmp_path):
+    from _model_fixture import default_model_path
+
+    from prefixmesh.node.daemon import NodeOptions, _make_backend
+
+    cfg = load_config(write(tmp_path, (
+        f'[model]\npath = "{default_model_path()}"\nkv_type_k = "q8_0"\nflash_attn = true\n'
+        'live_sequence = true\nbatch_mode = "throughput"\n[node]\nkv_write_delay_s = 0.5\n')))
+    backend = _make_backend(cfg, NodeOptions())  # reads the GGUF header only; no load
+    o = backend._engine_overrides
+    assert (o["type_k"], o["type_v"], o["flash_attn"], o["live_sequence"], o["batch_mode"],
+            o["write_delay_s"]) == ("q8_0", "f16", True, True, "throughput", 0.5)
+    defaults = load_config()
+    assert (defaults.model.kv_type_k, defaults.model.batch_mode) == ("f16", "deterministic")
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[model]\nkv_type_k = "q3"\n', "kv_type_k"),
+    ('[model]\nbatch_mode = "fast"\n', "batch_mode"),
+    ('[node]\nkv_write_delay_s = -1\n', "kv_write_delay_s"),
+])
+def test_bad_engine_keys_are_named(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(write(tmp_path, text))
