@@ -52,8 +52,6 @@ import trio
 from prefixmesh.inference.backend import (
     Backend,
     BackendError,
-    BackendOverloaded,
-    Completion,
     GenerateRequest,
     TokenChunk,
 )
@@ -79,6 +77,7 @@ from .events import InferObserver, NullObserver, RequestDone
 from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .partgossip import PartitionGossip
+from .serving import LocalServer
 
 __all__ = ["InferSettings", "InferService", "RETRYABLE_CODES"]
 
@@ -218,6 +217,7 @@ class InferService:
         self.policy = policy
         self.settings = settings or InferSettings()
         self.clock = clock
+        self.server = LocalServer(backend, self.me, clock)  # serving (overlay/serving.py)
         # request events for the log line, metrics and dashboard (overlay/events.py)
         self.observer: InferObserver = observer if observer is not None else NullObserver()
         # the one planner the simulator drives too (overlay/core/planner.py): it keeps the
@@ -681,7 +681,7 @@ class InferService:
                     else f"fallback: {len(failed)} forward(s) failed"
                 )
                 hop = replace(hop_base, action="serve", reason=reason[: wire.MAX_SHORT_STRING])
-                source = self._local_source(req, t_recv, [*req.trace, *extra_hops], hop)
+                source = self.server.source(req, t_recv, [*req.trace, *extra_hops], hop)
                 self.stats["served_local"] += 1
             else:
                 hop = replace(
@@ -921,69 +921,6 @@ class InferService:
         else:
             log.info("spot check %s: request %s peer %s: %s", verdict.kind,
                      evidence["request_id"][:8], evidence["peer"][-8:], verdict.reason)
-
-    def _local_source(self, req: wire.Request, t_recv: float, hops: list[wire.Hop], hop: wire.Hop):
-        gen_req = GenerateRequest(
-            ns=req.ns,
-            tokens=req.tokens,
-            max_tokens=req.sampling.max_tokens,
-            temperature=req.sampling.temperature,
-            top_p=req.sampling.top_p,
-            seed=req.sampling.seed,
-            deadline=req.deadline,
-        )
-
-        async def produce(out: trio.MemorySendChannel) -> None:
-            ttft_ms = -1.0
-            held: list[str] = []  # stream=False: the text goes in one TOKENS frame
-            try:
-                async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
-                    async for ev in events:
-                        if ttft_ms < 0:
-                            ttft_ms = (self.clock() - t_recv) * 1000.0
-                        if isinstance(ev, TokenChunk):
-                            if not req.stream:
-                                held.append(ev.text)
-                                continue
-                            await out.send(
-                                wire.Tokens(
-                                    ev.text[: wire.MAX_TEXT_CHARS],
-                                    tuple(ev.token_ids[: wire.MAX_CHUNK_TOKENS]),
-                                )
-                            )
-                        elif isinstance(ev, Completion):
-                            text = "".join(held)
-                            for i in range(0, len(text), wire.MAX_TEXT_CHARS):
-                                await out.send(wire.Tokens(text[i : i + wire.MAX_TEXT_CHARS]))
-                            trace = (*hops, replace(hop, ttft_ms=ttft_ms))[-wire.MAX_HOPS :]
-                            await out.send(
-                                wire.Final(
-                                    id=req.id,
-                                    entry=trace[0].peer,
-                                    serving=self.me,
-                                    prompt_tokens=min(ev.prompt_tokens, wire.MAX_PROMPT_TOKENS),
-                                    cached_tokens=min(
-                                        ev.cached_tokens, ev.prompt_tokens, wire.MAX_PROMPT_TOKENS
-                                    ),
-                                    completion_tokens=min(
-                                        ev.completion_tokens, wire.MAX_MAX_TOKENS
-                                    ),
-                                    ttft_ms=ttft_ms,
-                                    total_ms=(self.clock() - t_recv) * 1000.0,
-                                    finish_reason=ev.finish_reason[: wire.MAX_SHORT_STRING],
-                                    hops=trace,
-                                )
-                            )
-                            return
-            except BackendOverloaded as exc:
-                await out.send(wire.Error("overloaded", f"engine: {exc}"[:500]))
-                return
-            except BackendError as exc:
-                await out.send(wire.Error("internal", f"engine: {exc}"[:500]))
-                return
-            await out.send(wire.Error("internal", "engine ended without a completion"))
-
-        return produce
 
     def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float,
                        claimed: Candidate | None = None, observed: _Observed | None = None,
