@@ -822,6 +822,7 @@ def route_json(final) -> dict[str, Any]:
 
 _WIRE_ERRORS: dict[str, type[ApiError]] = {
     "bad_request": BadRequest,
+    "context_length_exceeded": BadRequest,  # decided by the entry node's planner (400)
     "duplicate": BadRequest,
     "unauthorized": Unauthorized,
     "unknown_namespace": NotFound,
