@@ -24,7 +24,7 @@ from prefixmesh.node.openai_schema import PermissionDenied, Unauthorized
 from prefixmesh.overlay.core.identity import Identity
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_http_gateway import FakeBackend  # noqa: E402
+from _gateway import FakeBackend  # noqa: E402
 
 ME = Identity.from_seed(b"\3" * 32)
 

@@ -16,7 +16,8 @@ import pytest
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _swarm import NodeProc, Swarm, peers, wait_until  # noqa: E402
+from _gateway import HttpNode  # noqa: E402
+from _swarm import Swarm, peers, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,36 +30,6 @@ COUNTING = (
     "The following is a list of integers written by a careful clerk who never stops. "
     "Each number is followed by a comma and a space. "
 ) * 8 + "\n1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
-TEAM_SECRET = "team-secret-for-the-gateway-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class HttpNode:
-    """A node process with its HTTP gateway on a free loopback port."""
-
-    def __init__(self, swarm: Swarm, name: str, **kwargs):
-        self.port = _free_port()
-        cfg = swarm.root / f"{name}.toml"
-        cfg.write_text(f'[http]\nlisten = "127.0.0.1:{self.port}"\n'
-                       '[tenants.public]\nvisibility = "public"\n'
-                       f'[tenants.team]\nsecret = "{TEAM_SECRET}"\n')
-        self.proc: NodeProc = swarm.add(name, extra=["--config", str(cfg)], n_ctx=4096,
-                                        **kwargs)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.name = name
-
-    def client(self) -> OpenAI:
-        return OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-    def status(self) -> dict:
-        return httpx.get(self.url + "/prefixmesh/status", timeout=10).json()
-
-
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     root = tmp_path_factory.mktemp("gwswarm")

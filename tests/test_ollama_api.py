@@ -9,9 +9,8 @@ import json
 import httpx
 import ollama
 import pytest
+from _gateway import MODEL, HttpNode, running
 from _swarm import Swarm
-from test_http_gateway import MODEL, running
-from test_http_gateway_swarm import HttpNode
 
 from prefixmesh.node.ollama_api import (
     DEFAULT_TEMPERATURE,
