@@ -8,7 +8,7 @@ DIR/prefixmesh``), sends 20 honest requests (each on a new connection), then run
 outside attacker of ``tests/adversary/digest_flood.py`` (1,100 fresh-identity snapshot
 records naming 127.0.0.2..9, twice) during 20 more, counts TCP connections at those
 addresses for ``--window`` seconds, and prints one line of figures (JSON). The test
-``tests/test_attack_digest_flood.py`` asserts the bounds on the current tree; this script
+``tests/swarm/test_attack_digest_flood.py`` asserts the bounds on the current tree; this script
 gives the before/after comparison in docs/SECURITY.md (D19).
 """
 

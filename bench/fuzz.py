@@ -32,7 +32,7 @@ the mutation pool. Memory: every ``--mem-every``-th input, and a few crafted wor
 per decoder (the largest inputs its limits allow), run under ``tracemalloc``; the report
 gives the peak.
 
-The targets are shared with ``tests/test_fuzz_decoders.py``. No trio, libp2p or llama
+The targets are shared with ``tests/bench/test_fuzz_decoders.py``. No trio, libp2p or llama
 imports (``load_config`` may import the model module's cache-dir helper).
 """
 

@@ -22,7 +22,7 @@ its entries of the differing buckets (8), B replies with records and its entries
 Every message is encoded (its length is what the simulator counts). With
 ``decode=False`` the receiver uses the object the sender encoded instead of decoding the
 bytes again: the codecs round-trip exactly (``decode_x(encode_x(v)) == v``, which
-``tests/test_sim.py`` checks on whole runs by comparing both modes), and skipping the
+``tests/bench/test_sim.py`` checks on whole runs by comparing both modes), and skipping the
 bounded CBOR scan of every summary roughly halves the simulator's gossip cost. Records
 themselves are always decoded and verified by ``AntiEntropy.receive``.
 """

@@ -56,7 +56,7 @@ One planner (``overlay/core/planner.py``)
     other node one link away) and carries out the ``Planner``'s action (serve, forward
     with the holder list to carry, or look up a partition home first). Only the
     ``oracle`` baseline bypasses it (exact candidates). The differential test
-    ``tests/test_planner_differential.py`` holds the node's and this caller's inputs
+    ``tests/overlay/core/test_planner_differential.py`` holds the node's and this caller's inputs
     equal.
 
 Routing improvements (node features: ``RoutingConfig`` in ``overlay/core/routing.py``)

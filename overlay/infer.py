@@ -564,7 +564,7 @@ class InferService:
     def _plan_input(self, req: wire.Request, tenant, chain: list[bytes], local_matched: int,
                     load) -> PlanInput:
         """What this node knows at decision time, as values (the simulator fills the same
-        ``PlanInput`` from its model; tests/test_planner_differential.py holds them equal)."""
+        ``PlanInput`` from its model; tests/overlay/core/test_planner_differential.py holds them equal)."""
         now = self.clock()
         visited = frozenset(req.visited) | {self.me}
         health = self.heartbeat.health

@@ -124,7 +124,7 @@ MAX_CBOR_DEPTH = 8
 # CBOR items (all levels) in one frame. Token ids travel as packed bytes, so the largest
 # legitimate frame (a PEERS reply of MAX_PEERS_LISTED peers with MAX_ADDRS addrs each) has
 # ~30,000 items; without a cap a 512 KiB frame of one-byte items costs ~0.3 s of Python
-# before the schema refuses it (remote CPU amplification). tests/test_wire.py checks the
+# before the schema refuses it (remote CPU amplification). tests/overlay/core/test_wire.py checks the
 # largest frames of every type stay under it.
 MAX_CBOR_ITEMS = 65_536
 MAX_PEERS_LISTED = 1024

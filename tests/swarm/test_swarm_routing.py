@@ -3,13 +3,9 @@ discovered through gossip, and requests are forwarded to the node holding their 
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _pty import Terminal  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real node processes

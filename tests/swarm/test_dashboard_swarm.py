@@ -23,14 +23,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import NodeProc, Swarm, peers, wait_until  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = (
     "You are the reference desk of a small observatory. Answer in one short sentence. "
     "The observatory lends telescopes, star charts, spectroscopes and filters, and runs "

@@ -22,7 +22,7 @@ from prefixmesh.node.config import (
 from prefixmesh.node.sizes import MAX_SIZE, SizeError, format_size, parse_size
 from prefixmesh.overlay.core.identity import Identity
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PEER = Identity.from_seed(bytes(range(32))).peer_id_b58
 BOOT = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"
 

@@ -9,11 +9,8 @@ import shutil
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import trio
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
 
 from prefixmesh.overlay.core import wire  # noqa: E402

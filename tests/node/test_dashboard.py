@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 import trio
+from _gateway import FakeBackend  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixmesh.node.http_gateway import GatewaySettings, check_operator, serve_http
 from prefixmesh.node.metrics import NodeMetrics
 from prefixmesh.node.openai_schema import PermissionDenied, Unauthorized
 from prefixmesh.overlay.core.identity import Identity
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _gateway import FakeBackend  # noqa: E402
 
 ME = Identity.from_seed(b"\3" * 32)
 

@@ -1,6 +1,6 @@
 """Unit tests of the log plumbing's pure logic (node/logsetup.py, node/requestlog.py):
 folding, library demotion and rate limiting (with a fake clock), JSON lines, and the
-per-request line. The real-process checks are in tests/test_node_logs.py."""
+per-request line. The real-process checks are in tests/node/test_node_logs.py."""
 
 from __future__ import annotations
 

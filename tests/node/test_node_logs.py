@@ -8,13 +8,9 @@ from __future__ import annotations
 import json
 import re
 import socket
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, ask, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real node processes and the real model

@@ -1,5 +1,5 @@
 """node/status.py's pure parts: the terminal screen of an overview and the URL rules.
-``prefixmesh status`` against real nodes: tests/test_dashboard_swarm.py."""
+``prefixmesh status`` against real nodes: tests/swarm/test_dashboard_swarm.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The shared bounded-CBOR scanner (overlay/core/cbor.py): the grammar it accepts, the
 bounds it enforces, and agreement with cbor2 on everything it lets through.
-(Random and mutated bytes: the ``cbor`` target of tests/test_fuzz_decoders.py.)"""
+(Random and mutated bytes: the ``cbor`` target of tests/bench/test_fuzz_decoders.py.)"""
 
 from __future__ import annotations
 

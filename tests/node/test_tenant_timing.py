@@ -67,8 +67,6 @@ from pathlib import Path
 
 import pytest
 import trio
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _model_fixture import TEST_THREADS, default_model_path  # noqa: E402
 from _swarm import NodeProc  # noqa: E402
 

@@ -3,14 +3,10 @@ only way to learn peers that are not configured), and our signed DHT record vali
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import cbor2
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, peers, wait_until  # noqa: E402
 
 from prefixmesh.overlay.core.identity import Identity  # noqa: E402

@@ -47,7 +47,6 @@ def test_node_on_a_cpu_only_build_warns_about_gpu_layers(tmp_path):
 
     if llama_cpp.llama_supports_gpu_offload():
         pytest.skip("this llama-cpp-python build can offload: the warning does not apply")
-    sys.path.insert(0, str(Path(__file__).parent))
     from _model_fixture import default_model_path
 
     script = Path(sys.executable).parent / "prefixmesh"

@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real node processes and the real model

@@ -4,23 +4,19 @@ digest records / oversize messages are rejected, counted, and do not stop the no
 from __future__ import annotations
 
 import struct
-import sys
 import time
-from pathlib import Path
 
 import cbor2
 import multiaddr
 import pytest
 import trio
+from _swarm import Swarm, ask, peers  # noqa: E402
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _swarm import Swarm, ask, peers  # noqa: E402
 
 from prefixmesh.overlay.core import wire  # noqa: E402
 from prefixmesh.overlay.core.digest import (  # noqa: E402

@@ -167,7 +167,7 @@ def test_grafana_dashboard_uses_only_metrics_that_exist():
     import re
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "grafana-dashboard.json"
+    path = Path(__file__).resolve().parents[2] / "examples" / "grafana-dashboard.json"
     dash = json.loads(path.read_text())
     used = set(re.findall(r"prefixmesh:[a-z0-9_]+", json.dumps(dash)))
     m = NodeMetrics(_fake_node())

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.core import identity as ident
+from prefixmesh.overlay import keyfile
 from prefixmesh.overlay.core.identity import (
     MAX_KEY_FILE_BYTES,
     Identity,
@@ -223,7 +223,7 @@ def test_load_refuses_oversize(tmp_path):
 
 def _valid_doc():
     me = Identity.generate()
-    return me, json.loads(ident._encode_key_file(me))
+    return me, json.loads(keyfile._encode_key_file(me))
 
 
 @pytest.mark.parametrize(
@@ -274,12 +274,3 @@ def test_load_seed_only_file_without_peer_id_is_accepted(tmp_path):
     path = tmp_path / "id.key"
     _write_private(path, json.dumps(doc).encode())
     assert load_identity(path) == me
-
-
-def test_module_is_pure():
-    import sys
-
-    src = open(ident.__file__).read()
-    for banned in ("import trio", "import libp2p", "from libp2p", "llama_cpp"):
-        assert banned not in src
-    assert "prefixmesh.overlay.core.identity" in sys.modules

@@ -28,8 +28,6 @@ from pathlib import Path
 
 import pytest
 import trio
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import NodeProc, Swarm, ask, wait_until  # noqa: E402
 
 from prefixmesh.node.client import Client, RequestFailed  # noqa: E402

@@ -5,14 +5,10 @@ a flapping node (simulated engine)."""
 from __future__ import annotations
 
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import trio
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
 
 from prefixmesh.node.client import Client, RequestFailed  # noqa: E402

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from openai import OpenAI
-
-sys.path.insert(0, str(Path(__file__).parent))
 from _gateway import HttpNode  # noqa: E402
 from _swarm import Swarm, peers, wait_until  # noqa: E402
+from openai import OpenAI
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,8 @@ enters at a home (which reads its own partition index, no lookup).
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import trio
@@ -212,7 +210,6 @@ LONG_SYSTEM = (
 
 @pytest.mark.slow
 def test_partitioned_swarm_routes_a_non_home_entry_to_the_holder(tmp_path):
-    sys.path.insert(0, str(Path(__file__).parent))
     from _swarm import Swarm, ask, peers, wait_until
 
     config = tmp_path / "partitioned.toml"
