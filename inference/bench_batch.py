@@ -80,6 +80,7 @@ def bench_load(clients: int = 8, requests: int = 4, rounds: int = 3, prefix: int
                for m in ("deterministic", "throughput")}
     lat = {m: [] for m in engines}
     tps = {m: [] for m in engines}
+    before = dict(engines["throughput"].batch_counters)
     hits = {m: {} for m in engines}
     try:
         for eng in engines.values():  # the shared prefix is cached in both before timing
@@ -110,6 +111,7 @@ def bench_load(clients: int = 8, requests: int = 4, rounds: int = 3, prefix: int
                 for t in ts:
                     t.join()
                 tps[mode].append(sum(out_tokens) / (time.perf_counter() - t0))
+        counters = {k: v - before[k] for k, v in engines["throughput"].batch_counters.items()}
     finally:
         for eng in engines.values():
             eng.close(flush=False)
@@ -126,6 +128,10 @@ def bench_load(clients: int = 8, requests: int = 4, rounds: int = 3, prefix: int
                   "hit_tiers": hits[m]}
     res["throughput_ratio"] = (res["throughput"]["tok_s_median"]
                                / res["deterministic"]["tok_s_median"])
+    res["round_ratios"] = [t / d for t, d in zip(tps["throughput"], tps["deterministic"],
+                                                strict=True)]
+    res["throughput_steps"] = counters
+    res["mean_sequences_per_step"] = counters["sequences"] / max(counters["steps"], 1)
     res["p99_ratio"] = (res["throughput"]["latency_p99_s"]
                         / res["deterministic"]["latency_p99_s"])
     return res

@@ -393,6 +393,8 @@ class Engine:
         self._batched = cfg.batch_mode == "throughput"
         self._n_seq = cfg.max_batch + 1 if self._batched else _N_SEQ
         self._running: set[RequestHandle] = set()
+        # throughput mode: llama_decode calls, sequences and tokens over all of them
+        self.batch_counters = {"steps": 0, "sequences": 0, "tokens": 0}
         try:
             self.model_path = resolve_model(cfg.model_path, progress=False)
             self.gguf = read_gguf_info(self.model_path)
@@ -1285,6 +1287,10 @@ class Engine:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} ({n} tokens)")
         n_seqs = len(parts)
+        counters = self.batch_counters
+        counters["steps"] += 1
+        counters["sequences"] += n_seqs
+        counters["tokens"] += n
         now = time.perf_counter()
         for slot, added, idx in parts:
             slot.n_past += added
