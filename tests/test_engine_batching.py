@@ -12,6 +12,7 @@ and the first token equals the deterministic engine's (the last prompt token's l
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from _model_fixture import TEST_THREADS, default_model_path
@@ -156,3 +157,24 @@ def test_modes_never_share_states_and_close_cancels(prompts):
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError):
         Engine(model_path=default_model_path(), batch_mode="fast")
+
+
+def test_followers_survive_their_prefix_source_being_cancelled():
+    # three requests wait for (or copy) the new prefix a fourth one is prefilling; that
+    # one is cancelled: the others fall back to the store or a cold prefill and complete
+    rng = random.Random(21)
+    prefix = [rng.randrange(100, 40000) for _ in range(200)]
+    ps = [prefix + [rng.randrange(100, 40000) for _ in range(5)] for _ in range(4)]
+    e = make_engine(ram_budget_bytes=0, n_batch=64)  # the leader prefills in 4 steps
+    try:
+        lead = e.submit_tokens(ps[0], params=SamplingParams(max_tokens=100))
+        rest = [e.submit_tokens(p, params=EIGHT) for p in ps[1:]]
+        while e.batch_counters["steps"] < 2:  # the others are admitted and waiting
+            time.sleep(0.005)
+        lead.cancel()
+        got = [h.result(300) for h in rest]
+        assert lead.result(300).finish_reason == "cancelled"
+    finally:
+        e.close(flush=False)
+    assert all(g.finish_reason == "length" and len(g.tokens) == 8 for g in got)
+    assert all(g.stats.cached_tokens + g.stats.prefill_tokens == len(ps[1]) for g in got)
