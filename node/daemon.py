@@ -42,14 +42,9 @@ after the answer was delivered, one at a time; a mismatch lowers the peer's trus
 logged with evidence (``spot check MISMATCH``). Counters are in ``stats``
 (``infer_spot_*``) and per-peer trust in per-mille as ``trust_<last 8 chars of peer id>``.
 
-Test-only fault injection (never set it in production): the environment variable
-``PREFIXMESH_FAULT`` makes a node misbehave on purpose so that swarm tests can show the
-defences work. ``wrong-tokens`` is injected by the test-only entry point
-``tests/_fault_node.py`` (a wrapping Backend: "#" before every chunk, token ids + 1), not
-here. ``lie-digest``: the node advertises in its
-digest the block hashes of every prompt listed in the JSON file named by
-``PREFIXMESH_FAULT_PROMPTS`` (a list of message lists, ``[[["system", "..."], ...], ...]``),
-in every namespace it serves, without holding them.
+Test-only fault injection (a node that lies about its cache or alters its tokens) is not
+here: the test-only entry point ``tests/_fault_node.py`` wraps the engine in a misbehaving
+Backend.
 
 Benchmark-only link delay: ``PREFIXMESH_LINK_DELAY_MS`` (0-10,000) delays every frame the
 process sends by that many milliseconds (``overlay.host.set_link_delay``); ``prefixmesh
@@ -78,7 +73,6 @@ from pathlib import Path
 import trio
 
 from prefixmesh.inference.backend import Backend, BackendError, LlamaBackend, SimulatedBackend
-from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.antientropy import AntiEntropy
 from prefixmesh.overlay.core.digest import LoadFigures
@@ -88,7 +82,7 @@ from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
 from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
-from prefixmesh.overlay.digestexchange import ExchangeSettings
+from prefixmesh.overlay.digestexchange import DigestExchange, ExchangeSettings
 from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.events import ObserverFanout
 from prefixmesh.overlay.gossip import Gossip
@@ -156,8 +150,6 @@ class NodeOptions:
     seed: int | None = None  # gossip peer choice (None: random)
     share_cap: bool = False  # overlay.trust.ForwardShareLimiter on forwards (see infer.py)
     spot_check_fraction: float = 0.0  # forwarded greedy requests re-executed here (trust.py)
-    fault: str = ""  # test-only fault injection (PREFIXMESH_FAULT; module docstring)
-    fault_prompts: tuple = ()  # lie-digest: message lists whose prefixes are falsely claimed
 
 
 def _load_or_create_identity(path: Path) -> Identity:
@@ -294,13 +286,12 @@ class Node:
             ),
             observer=self.observers,
         )
-        if self.options.fault:
-            log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", self.options.fault)
         self.ae: AntiEntropy | None = None
-        self.gossip: Gossip | None = None
-        # partial replication ([digest].partitions > 0): these replace ae/gossip's role
+        # the digest exchange, whichever variant runs (Gossip, or PartitionGossip with
+        # [digest].partitions > 0); None with the digest off
+        self.exchange: DigestExchange | None = None
+        # partial replication: the partitioned digest state replaces ae's role
         self.pd: PartitionedDigest | None = None
-        self.pgossip: PartitionGossip | None = None
         self.dht = None
         self.mdns = None
         self.started = trio.Event()
@@ -312,7 +303,6 @@ class Node:
         self._stop_requested = trio.Event()
         self._old_handlers: dict = {}
         self._written_addrs: list[str] = []
-        self._lies: list[tuple[bytes, tuple[bytes, ...]]] = []  # test-only lie-digest fault
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -370,13 +360,6 @@ class Node:
             await self.backend.load()
         for tenant in self.tenants:
             self.backend.register_namespace(tenant.name, tenant.namespace_key, tenant.ns_id)
-        if self.options.fault == "lie-digest":
-            for messages in self.options.fault_prompts:
-                tokens = await self.backend.tokenize([(r, c) for r, c in messages])
-                for tenant in self.tenants:
-                    chain = chain_hashes(tenant.namespace_key, tokens, BLOCK_TOKENS)
-                    if chain:
-                        self._lies.append((tenant.ns_id, tuple(chain)))
         try:
             async with self.host.run():
                 await self._run_services(task_status)
@@ -415,11 +398,6 @@ class Node:
         self.ae.origin_merit, self.ae.sender_known = self.heartbeat.merit, self.heartbeat.is_known
         if opts.digest and cfg.digest.partitions > 0:
             self.pd = self._partitioned_digest(now)
-        for ns, chain in self._lies:  # test-only lie-digest fault: claim, never hold
-            if self.pd is not None:
-                self.pd.local_add_prefix(ns, chain, now)
-            else:
-                self.ae.local_add_prefix(ns, chain)
         self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
         self.host.set_handler(wire.PEERS_PROTOCOL, self._handle_peers)
         # one settings value for whichever digest exchange runs (overlay/digestexchange.py)
@@ -432,7 +410,7 @@ class Node:
             exchange_burst=cfg.limits.digest_exchange_burst,
         )
         if self.pd is not None:
-            self.pgossip = PartitionGossip(
+            pgossip = PartitionGossip(
                 self.host,
                 self.pd,
                 peers=self.heartbeat.up_peers,
@@ -440,9 +418,10 @@ class Node:
                 before_tick=self._before_tick,
                 settings=exchange,
             )
-            self.infer.partition = self.pgossip
+            self.infer.partition = pgossip
+            self.exchange = pgossip
         elif opts.digest:
-            self.gossip = Gossip(
+            self.exchange = Gossip(
                 self.host,
                 self.ae,
                 self.index,
@@ -462,17 +441,15 @@ class Node:
                     cfg.limits.digest_exchange_rate, 1.0 / cfg.digest.interval_s,
                     cfg.digest.interval_s,
                 )
-            gossip = self.gossip
-            self.heartbeat.summary_hash = lambda: gossip.own_hash
+        if self.exchange is not None:
+            self.heartbeat.summary_hash = self.exchange.advertised_hash
         async with trio.open_nursery() as nursery:
             self._cancel = nursery.cancel_scope
             await nursery.start(self.heartbeat.run)
             if self.infer.spot_checker is not None:
                 await nursery.start(self.infer.run_spot_checks)
-            if self.gossip is not None:
-                await nursery.start(self.gossip.run)
-            if self.pgossip is not None:
-                await nursery.start(self.pgossip.run)
+            if self.exchange is not None:
+                await nursery.start(self.exchange.run)
             nursery.start_soon(bootstrap_loop, self.host, self.directory, list(cfg.node.bootstrap))
             if opts.dht:
                 from prefixmesh.overlay.discovery import DhtDiscovery
@@ -615,8 +592,8 @@ class Node:
         for peer in sorted(known)[: wire.MAX_PEERS_LISTED]:
             h = self.heartbeat.health.get(peer)
             est = self.index.estimate(peer)
-            digest = self.gossip or self.pgossip  # partitioned: only records we are home of
-            heard = digest.last_heard.get(peer) if digest else None
+            # partitioned: only the origins of records we are home of
+            heard = self.exchange.last_heard.get(peer) if self.exchange else None
             addrs = self.directory.addrs_of(peer) or (list(est.addrs) if est else [])
             rows.append(wire.PeerInfo(
                 peer=peer,
@@ -640,21 +617,8 @@ class Node:
 
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {f"infer_{k}": int(v) for k, v in self.infer.stats.items()}
-        if self.gossip is not None:
-            out.update({f"digest_{k}": int(v) for k, v in self.gossip.stats.items()})
-            out["digest_rounds"] = self.gossip.rounds
-        if self.pgossip is not None and self.pd is not None:
-            out.update({f"part_{k}": int(v) for k, v in self.pgossip.stats.items()})
-            out["part_rounds"] = self.pgossip.rounds
-            out["part_streams"] = len(self.pd.streams)
-            out["part_lookup_cache_hits"] = self.pgossip.lookup_cache.hits
-            out["part_lookup_cache_misses"] = self.pgossip.lookup_cache.misses
-            rejected: dict[str, int] = {}
-            for ae in self.pd.streams.values():
-                for k, v in ae.stats["rejected"].items():
-                    rejected[k] = rejected.get(k, 0) + int(v)
-            for k, v in rejected.items():
-                out[f"part_rejected_{k}"] = v
+        if self.exchange is not None:
+            out.update(self.exchange.node_stats())
         if self.ae is not None:
             for k, v in self.ae.stats["rejected"].items():
                 out[f"rejected_{k}"] = int(v)
@@ -728,16 +692,6 @@ def run_node(config, options: NodeOptions | None = None) -> int:
     return 0
 
 
-def _fault_prompts(path: str) -> tuple:
-    """Test-only: the message lists of ``PREFIXMESH_FAULT_PROMPTS`` (module docstring)."""
-    if not path:
-        return ()
-    import json
-
-    return tuple(tuple((str(r), str(c)) for r, c in msgs)
-                 for msgs in json.loads(Path(path).read_text()))
-
-
 def main(argv: list[str] | None = None) -> int:
     from .config import load_config
 
@@ -801,8 +755,6 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         share_cap=a.share_cap,
         spot_check_fraction=a.spot_check,
-        fault=os.environ.get("PREFIXMESH_FAULT", ""),
-        fault_prompts=_fault_prompts(os.environ.get("PREFIXMESH_FAULT_PROMPTS", "")),
     )
     delay_ms = os.environ.get("PREFIXMESH_LINK_DELAY_MS", "")
     if delay_ms:

@@ -332,16 +332,12 @@ class NodeCollector:
                                   labels=["direction", "protocol"])
         records = CounterMetricFamily(p + "digest_records_applied", "peers' digest records "
                                       "applied", labels=["protocol"])
-        found = False
-        for name, proto in (("gossip", "full"), ("pgossip", "partitioned")):
-            g = getattr(self.node, name, None)
-            if g is None:
-                continue
-            found = True
+        g = getattr(self.node, "exchange", None)  # the DigestExchange (None: digests off)
+        if g is not None:
+            proto = "partitioned" if getattr(self.node, "pd", None) is not None else "full"
             fam.add_metric(["in", proto], g.stats.get("bytes_in", 0))
             fam.add_metric(["out", proto], g.stats.get("bytes_out", 0))
             records.add_metric([proto], g.stats.get("records_applied", 0))
-        if found:
             yield fam
             yield records
 
@@ -366,10 +362,8 @@ class NodeCollector:
             for stream in pd.streams.values():
                 for cls, v in stream.stats["rejected"].items():
                     add("digest", cls, v)
-        for name in ("gossip", "pgossip"):
-            g = getattr(n, name, None)
-            if g is None:
-                continue
+        g = getattr(n, "exchange", None)
+        if g is not None:
             for key in ("malformed_messages", "oversize_messages", "malformed",
                         "exchanges_rate_limited", "exchanges_concurrency_limited",
                         "rate_limited", "over_budget", "refused", "records_rate_limited"):

@@ -102,7 +102,7 @@ def _peers(node, now: float) -> list[dict[str, Any]]:
         known |= set(index.peers())
     known.discard(node.identity.peer_id)
     trust = getattr(getattr(node, "infer", None), "trust", None)
-    digest = getattr(node, "gossip", None) or getattr(node, "pgossip", None)
+    digest = getattr(node, "exchange", None)
     mono = time.monotonic()
     rows = []
     for peer in sorted(known)[:MAX_PEERS]:

@@ -124,9 +124,9 @@ def _fake_node():
         directory=SimpleNamespace(peers={PEER.peer_id: None}),
         infer=SimpleNamespace(trust=_Trust(), stats={"rate_limited": 4, "subnet_limited": 0,
                                                       "duplicates": 1}),
-        gossip=SimpleNamespace(stats={"bytes_in": 1234, "bytes_out": 567, "records_applied": 9,
+        exchange=SimpleNamespace(stats={"bytes_in": 1234, "bytes_out": 567, "records_applied": 9,
                                       "malformed_messages": 2}),
-        pgossip=None, pd=None,
+        pd=None,
         ae=SimpleNamespace(stats={"rejected": {"BadSignature": 5}}),
         host=SimpleNamespace(inbound_cap=None),
     )

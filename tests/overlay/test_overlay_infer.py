@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import trio
+from _fault_node import LieDigestBackend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,7 +109,7 @@ def test_forwarding_trace_and_fallback(tmp_path):
 
 
 def test_a_relaying_liar_is_charged_for_what_its_relay_delivered(tmp_path):
-    """D advertises all of a long prompt (the test-only lie-digest fault) and holds none of
+    """D advertises all of a long prompt (tests/_fault_node.py's LieDigestBackend) and holds none of
     it; B really holds its system part. A forwards to D for the long claim, D relays to B
     (its best holder), B reuses only the system part: A charges the shortfall to D, its
     next hop, although D did not serve. Otherwise a liar that relays what it attracts
@@ -118,8 +119,9 @@ def test_a_relaying_liar_is_charged_for_what_its_relay_delivered(tmp_path):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            a, b, d = await _start(nursery, tmp_path, 3, options=[
-                {}, {}, {"fault": "lie-digest", "fault_prompts": (prompt,)}])
+            liar = LieDigestBackend(SimulatedBackend(prefill_tps=400.0), [prompt])
+            a, b, d = await _start(nursery, tmp_path, 3, backends=[
+                SimulatedBackend(prefill_tps=400.0), SimulatedBackend(prefill_tps=400.0), liar])
             async with Client.connect(b.full_addrs()[0]) as cb:
                 await cb.ask([("system", SYSTEM), ("user", "x")], max_tokens=1, hop_budget=0)
             await _wait(lambda: _knows(a, b) and _knows(a, d) and _knows(d, b))
@@ -278,20 +280,20 @@ def test_heartbeats_carry_summary_hashes_and_in_sync_peers_are_skipped(tmp_path)
             def in_sync():
                 return all(
                     n.heartbeat.health.get(m.identity.peer_id) is not None
-                    and n.heartbeat.health[m.identity.peer_id].summary_hash == n.gossip.own_hash
+                    and n.heartbeat.health[m.identity.peer_id].summary_hash == n.exchange.advertised_hash()
                     for n in nodes for m in nodes if m is not n
                 )
 
             await _wait(in_sync, timeout=20)
-            before = {n: n.gossip.stats["exchanges_ok"] for n in nodes}
-            skipped = a.gossip.stats["peers_skipped_in_sync"]
+            before = {n: n.exchange.stats["exchanges_ok"] for n in nodes}
+            skipped = a.exchange.stats["peers_skipped_in_sync"]
             await trio.sleep(1.0)  # ~3 rounds in sync: peers skipped, (almost) no exchanges
-            assert a.gossip.stats["peers_skipped_in_sync"] > skipped
+            assert a.exchange.stats["peers_skipped_in_sync"] > skipped
             # a new cached prefix changes B's hash: others see it in PONGs and pull it
             b = nodes[1]
             b.backend.insert_prefix(next(iter(b.tenants)).ns_id, list(range(64)))
             await _wait(lambda: all(_knows(n, b) for n in nodes if n is not b), timeout=10)
-            assert sum(n.gossip.stats["exchanges_ok"] - before[n] for n in nodes) >= 1
+            assert sum(n.exchange.stats["exchanges_ok"] - before[n] for n in nodes) >= 1
             await _shutdown(nodes)
 
     trio.run(main)

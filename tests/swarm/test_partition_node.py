@@ -393,7 +393,7 @@ def test_partitioned_swarm_rehomes_a_partition_when_a_home_leaves(tmp_path):
             (p,) = holder.pd.streams
 
             def homes() -> list[bytes]:
-                return holder.pd.homes(p, holder.pgossip.members())
+                return holder.pd.homes(p, holder.exchange.members())
 
             def indexed_at(peer: bytes) -> bool:
                 node = next(nd for nd in nodes if nd.identity.peer_id == peer)
@@ -450,7 +450,7 @@ def test_a_lookup_that_fails_at_the_first_home_is_asked_again_at_the_second(tmp_
                                 hop_budget=0)
                 await _wait_for(lambda h=holder: len(h.pd.streams) == 1)
                 (p,) = holder.pd.streams
-                homes = holder.pd.homes(p, holder.pgossip.members())
+                homes = holder.pd.homes(p, holder.exchange.members())
                 if holder.identity.peer_id not in homes:
                     break
             else:
@@ -464,7 +464,7 @@ def test_a_lookup_that_fails_at_the_first_home_is_asked_again_at_the_second(tmp_
             await _wait_for(lambda: all(indexed_at(by_id[h]) for h in homes))
             entry = next(nd for nd in nodes if nd.identity.peer_id not in homes
                          and nd.identity.peer_id not in cached_at)
-            first = entry.pd.homes(p, entry.pgossip.members())[0]
+            first = entry.pd.homes(p, entry.exchange.members())[0]
             assert first == homes[0]
 
             async def hang(stream) -> None:  # up, but never answers a partition message
@@ -527,7 +527,7 @@ def test_a_forwarded_request_carries_the_lookup_answer_to_the_next_hop(tmp_path)
                 await c.ask(messages, max_tokens=1, hop_budget=0)
             await _wait_for(lambda: len(holder.pd.streams) == 1)
             (p,) = holder.pd.streams
-            homes = holder.pd.homes(p, holder.pgossip.members())
+            homes = holder.pd.homes(p, holder.exchange.members())
             router = next(nd for nd in nodes if nd.identity.peer_id not in homes
                           and nd is not holder)
             tenant = next(iter(router.tenants))
@@ -576,7 +576,7 @@ def test_a_node_without_the_namespace_relays_to_a_holder_its_partitions_know(tmp
             nodes = await _partitioned_swarm(nursery, tmp_path, 5, [with_t1] * 4 + [without])
             holder, relay = nodes[0], nodes[4]
             ns_tenant = next(t for t in holder.tenants if t.name == "t1")
-            members = holder.pgossip.members()
+            members = holder.exchange.members()
             # a prompt whose partition the relay node is a home of
             for i in range(200):
                 # (the partition key is the 4th block: vary the start)

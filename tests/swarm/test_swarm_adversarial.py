@@ -1,7 +1,7 @@
 """Adversarial peers with real node processes and the real model (docs/SECURITY.md).
 
-The misbehaviour is injected with the daemon's test-only ``PREFIXMESH_FAULT`` variable
-(see ``node/daemon.py``): ``wrong-tokens`` makes a node alter the tokens of requests it
+The misbehaviour is injected with the test-only ``PREFIXMESH_FAULT`` variable
+(read by ``tests/_fault_node.py``): ``wrong-tokens`` makes a node alter the tokens of requests it
 serves for other nodes. Each test shows that a defence catches it end to end.
 """
 
