@@ -82,6 +82,13 @@ from pathlib import Path
 from typing import Any
 
 from prefixmesh.inference.engine import BATCH_MODES, KV_TYPES
+from prefixmesh.overlay.core.limits import (
+    MAX_PEERS_PER_SUBNET,
+    PEER_REQUEST_BURST,
+    PEER_REQUEST_RATE,
+)
+from prefixmesh.overlay.core.routing import POLICY_NAMES as routing_POLICY_NAMES
+from prefixmesh.overlay.digestexchange import ExchangeSettings
 
 from .sizes import SIZE_HINT, SizeError, format_size, parse_size
 from .tenants import TenantConfigError, TenantSpec, default_tenant_specs, parse_tenant
@@ -111,8 +118,11 @@ __all__ = [
 ]
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
-POLICY_NAMES = ("prefixmesh", "paper", "round-robin", "random", "local", "consistent-hash",
-                "oracle")
+#: what [routing] policy accepts (defined once, in overlay/core/routing.py)
+POLICY_NAMES = routing_POLICY_NAMES
+# the digest exchange's defaults: [digest] and [limits] take theirs from here (one default
+# per knob, overlay/digestexchange.py)
+_EXCHANGE = ExchangeSettings()
 LOG_LEVELS = ("error", "warning", "info", "debug")
 LOG_FORMATS = ("text", "json")
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -492,15 +502,15 @@ class ModelSection:
 
 @dataclass
 class DigestSection:
-    interval_s: float = _f(1.0, check=_float(0.0, 3600.0, lo_open=True),
+    interval_s: float = _f(_EXCHANGE.interval_s, check=_float(0.0, 3600.0, lo_open=True),
                            doc="seconds between anti-entropy exchanges")
-    fanout: int = _f(3, check=_int(1, 64), doc="peers contacted per exchange round")
-    byte_budget: int = _f(64 * 1024, check=_size, kind="size",
+    fanout: int = _f(_EXCHANGE.fanout, check=_int(1, 64), doc="peers contacted per exchange round")
+    byte_budget: int = _f(_EXCHANGE.byte_budget, check=_size, kind="size",
                           doc="most record bytes sent per exchange")
     ttl_s: float = _f(60.0, check=_float(1.0, 86400.0), doc="lifetime of a digest record")
     refresh_interval_s: float = _f(20.0, check=_float(0.0, 86400.0, lo_open=True),
                                    doc="re-issue own record this often even without changes")
-    bucket_summaries: bool = _f(True, check=_bool,
+    bucket_summaries: bool = _f(_EXCHANGE.bucket_summaries, check=_bool,
                                 doc="on a summary-hash mismatch answer with per-bucket hashes, "
                                     "so only differing buckets' entries are exchanged")
     compaction_ratio: float = _f(4.0, check=_float(0.0, 64.0, lo_open=True),
@@ -528,19 +538,19 @@ class DigestSection:
 
 @dataclass
 class LimitsSection:
-    peer_request_rate: float = _f(50.0, check=_float(0.0, 1e6, lo_open=True),
+    peer_request_rate: float = _f(PEER_REQUEST_RATE, check=_float(0.0, 1e6, lo_open=True),
                                   doc="inference requests/s accepted from one peer (refill)")
-    peer_request_burst: float = _f(100.0, check=_float(1.0, 1e7),
+    peer_request_burst: float = _f(PEER_REQUEST_BURST, check=_float(1.0, 1e7),
                                    doc="requests one peer may send at once (bucket size, >= 1)")
-    max_peers_per_subnet: int = _f(4, check=_int(0, 1 << 16),
+    max_peers_per_subnet: int = _f(MAX_PEERS_PER_SUBNET, check=_int(0, 1 << 16),
                                    doc="peers per IPv4 /24 or IPv6 /48 in one routing "
                                        "decision (0 = no cap)")
     max_inbound_per_subnet: int = _f(32, check=_int(0, 1 << 16),
                                      doc="peers per IPv4 /24 or IPv6 /48 connected to us "
                                          "inbound (loopback exempt; 0 = no cap)")
-    digest_exchange_rate: float = _f(4.0, check=_float(0.0, 1e6, lo_open=True),
+    digest_exchange_rate: float = _f(_EXCHANGE.exchange_rate_per_s, check=_float(0.0, 1e6, lo_open=True),
                                      doc="digest exchanges/s answered for one peer (refill)")
-    digest_exchange_burst: float = _f(8.0, check=_float(1.0, 1e7),
+    digest_exchange_burst: float = _f(_EXCHANGE.exchange_burst, check=_float(1.0, 1e7),
                                       doc="digest exchanges one peer may open at once (>= 1)")
 
 

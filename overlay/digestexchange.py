@@ -37,7 +37,7 @@ class ExchangeSettings:
     max_message_bytes: int | None = None  # None: 2 x byte_budget + room for a full summary
     summary_hash_check: bool = True  # open with a summary hash (saves summaries when in sync)
     backstop_rounds: int = 10  # contact one random in-sync peer every this many rounds
-    bucket_summaries: bool = False  # answer a differing hash with bucket hashes (message 7)
+    bucket_summaries: bool = True  # answer a differing hash with bucket hashes (message 7)
     exchange_rate_per_s: float = 4.0  # responder: exchanges a peer may open per second
     exchange_burst: float = 8.0
     max_exchanges_per_peer: int = 2  # responder: exchanges of one peer answered at once

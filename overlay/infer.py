@@ -59,7 +59,14 @@ from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 
 from .core import wire
 from .core.identity import peer_id_to_b58
-from .core.limits import ForwardShareLimiter, PeerRateLimiter, SubnetLimiter
+from .core.limits import (
+    MAX_PEERS_PER_SUBNET,
+    PEER_REQUEST_BURST,
+    PEER_REQUEST_RATE,
+    ForwardShareLimiter,
+    PeerRateLimiter,
+    SubnetLimiter,
+)
 from .core.peerindex import PeerCacheIndex
 from .core.planner import (
     FullView,
@@ -115,13 +122,13 @@ class InferSettings:
     # ... and from any one remote peer: one peer cannot take all the slots (an entry node
     # forwarding heavily holds its requests + a few pooled spares); over it: "overloaded"
     max_streams_per_peer: int = 64
-    # requests any one remote peer may send (token bucket: rate per second, burst); over
-    # it: "overloaded" with a retry-after hint. Generous: a CPU node serves a few per second
-    peer_request_rate: float = 50.0
-    peer_request_burst: float = 100.0
-    # Sybil basics: at most this many candidates per /24 (IPv4) or /48 (IPv6) subnet, by
-    # the address of our live connection to the peer (not what it claims); 0 turns it off
-    max_peers_per_subnet: int = 4
+    # requests any one remote peer may send (token bucket); over it: "overloaded" with a
+    # retry-after hint. Defaults in overlay/core/limits.py (node/config.py shares them)
+    peer_request_rate: float = PEER_REQUEST_RATE
+    peer_request_burst: float = PEER_REQUEST_BURST
+    # candidates per subnet, by the address of our live connection to the peer (not what
+    # it claims); 0 turns it off
+    max_peers_per_subnet: int = MAX_PEERS_PER_SUBNET
     clock_skew_s: float = 5.0
     max_pending_spot_checks: int = 8  # queued re-executions; more are dropped and counted
     spot_check_timeout_s: float = 120.0  # one local re-execution

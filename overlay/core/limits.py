@@ -89,6 +89,14 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+# The per-peer input limits' defaults, one place for InferSettings (overlay/infer.py) and
+# node/config.py's [limits]: requests one remote peer may send (token bucket: rate per
+# second, burst; generous, a CPU node serves a few per second), and candidates per /24
+# (IPv4) or /48 (IPv6) subnet in one routing decision (Sybil basics; 0 turns it off).
+PEER_REQUEST_RATE = 50.0
+PEER_REQUEST_BURST = 100.0
+MAX_PEERS_PER_SUBNET = 4
+
 
 # ---------------------------------------------------------------------------- share cap
 
