@@ -11,7 +11,7 @@ a real node owns:
   byte string (so digest bytes/s are real);
 - a :class:`~prefixmesh.overlay.core.peerindex.PeerCacheIndex` fed with the records the node
   has received (stale by however long gossip took);
-- a routing :class:`~prefixmesh.overlay.core.routing.Policy` from ``make_policy``.
+- a routing :class:`~prefixmesh.overlay.core.routing.Policy` from ``bench/policies.make_policy``.
 
 Event model (heapq, virtual seconds, one seeded ``random.Random``; no trio, no clock)
     A request enters at one node (``entry``: a seeded uniform pick, by default). The node
@@ -136,11 +136,11 @@ from prefixmesh.overlay.core.routing import (
     Candidate,
     RouterMemory,
     RoutingConfig,
-    make_policy,
 )
 from prefixmesh.overlay.core.trust import TrustTracker
 
 from . import gossip as _gossip
+from .policies import make_policy
 from .workloads import Request, Workload
 
 __all__ = [

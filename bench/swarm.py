@@ -113,7 +113,7 @@ class SwarmBenchConfig:
     netns: bool = True  # try a network namespace
 
     def validate(self) -> None:
-        from prefixmesh.overlay.core.routing import POLICY_NAMES  # noqa: PLC0415
+        from .policies import POLICY_NAMES  # noqa: PLC0415
 
         if not 1 <= self.nodes <= 16:
             raise SwarmBenchError(f"--nodes must be 1..16, got {self.nodes}")
@@ -207,7 +207,8 @@ class NodeProcess:
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_path = self.root / "node.log"
         self.args = [
-            sys.executable, "-m", "prefixmesh.node.daemon",
+            # the bench entry point: it lets --policy name a baseline (bench/policies.py)
+            sys.executable, "-m", "prefixmesh.bench.node_entry",
             "--listen", "/ip4/127.0.0.1/tcp/0",
             "--key", str(self.root / "node.key"),
             "--cache-dir", str(self.root / "cache"),

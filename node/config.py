@@ -87,7 +87,7 @@ from prefixmesh.overlay.core.limits import (
     PEER_REQUEST_BURST,
     PEER_REQUEST_RATE,
 )
-from prefixmesh.overlay.core.routing import POLICY_NAMES as routing_POLICY_NAMES
+from prefixmesh.overlay.core.routing import DEPLOYABLE_POLICIES
 from prefixmesh.overlay.digestexchange import ExchangeSettings
 
 from .sizes import SIZE_HINT, SizeError, format_size, parse_size
@@ -118,8 +118,9 @@ __all__ = [
 ]
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
-#: what [routing] policy accepts (defined once, in overlay/core/routing.py)
-POLICY_NAMES = routing_POLICY_NAMES
+#: what [routing] policy accepts: the deployable policies only (overlay/core/routing.py);
+#: the baselines are for the simulator and benchmarks (bench/policies.py, bench/node_entry.py)
+POLICY_NAMES = DEPLOYABLE_POLICIES
 # the digest exchange's defaults: [digest] and [limits] take theirs from here (one default
 # per knob, overlay/digestexchange.py)
 _EXCHANGE = ExchangeSettings()

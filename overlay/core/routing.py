@@ -23,6 +23,7 @@ Policies (``make_policy(name, ...)``)
     when ``hop_budget <= 0``. A peer with no cache gain can still win when this node's
     queue wait dominates; callers that want such load shedding should include a few
     lightly-loaded peers among the candidates even when they match nothing.
+    The baselines below live in ``bench/policies.py`` (simulator and benchmarks only).
     ``paper``: the reference paper's rule (arXiv:2606.17059): the longest estimated
     match wins, ties go to local; no load, latency or trust awareness.
     ``round-robin``: a per-instance counter over ``[self] + pool``. ``random``: a
@@ -104,7 +105,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 __all__ = [
-    "BASELINE_POLICIES",
     "DEPLOYABLE_POLICIES",
     "FORWARD",
     "POLICY_NAMES",
@@ -137,19 +137,11 @@ __all__ = [
 
 SERVE = "serve"
 FORWARD = "forward"
-#: what a node may run (node/config.py validates [routing] policy against it); the rest
-#: are baselines for the simulator and the swarm benchmark
+#: what a node may run (node/config.py validates [routing] policy against it); the
+#: baselines (paper, round-robin, random, consistent-hash, oracle) live with the simulator
+#: in bench/policies.py
 DEPLOYABLE_POLICIES = ("prefixmesh", "local")
-BASELINE_POLICIES = ("paper", "round-robin", "random", "consistent-hash", "oracle")
-POLICY_NAMES = (
-    "prefixmesh",
-    "paper",
-    "round-robin",
-    "random",
-    "local",
-    "consistent-hash",
-    "oracle",
-)
+POLICY_NAMES = DEPLOYABLE_POLICIES  # what make_policy here builds
 
 
 class RoutingError(ValueError):
@@ -866,131 +858,11 @@ class PrefixMeshPolicy(_PolicyBase):
             f"{n_fallbacks} fallbacks"
         )
 
-
-class PaperPolicy(_PolicyBase):
-    """arXiv:2606.17059: the longest estimated match wins; ties go to local."""
-
-    name = "paper"
-
-    def decide(self, ctx: RouteContext) -> Decision:
-        local = local_cost_s(ctx)
-        if ctx.hop_budget <= 0:
-            return _serve(f"{self.name}: serve, hop budget exhausted", local)
-        longer = [
-            (-min(c.matched_tokens, ctx.prompt_tokens), c.peer)
-            for c in ctx.candidates
-            if c.peer != self.self_id
-            and c.peer not in ctx.visited
-            and min(c.matched_tokens, ctx.prompt_tokens) > ctx.local_matched_tokens
-        ]
-        if not longer:
-            return _serve(
-                f"{self.name}: serve, no unvisited peer matches more than local "
-                f"{ctx.local_matched_tokens} tok",
-                local,
-            )
-        ranked = _break_top_tie(sorted(longer), self.rng)
-        neg_matched, peer = ranked[0]
-        c = next(c for c in ctx.candidates if c.peer == peer)
-        fallbacks = tuple(p for _, p in ranked[1 : 1 + self.config.max_fallbacks])
-        return Decision(
-            FORWARD,
-            peer,
-            f"{self.name}: forward to {peer_label(peer)}, longest match {-neg_matched} tok "
-            f"vs local {ctx.local_matched_tokens} of {ctx.prompt_tokens}",
-            local,
-            candidate_cost_s(ctx, c, use_trust=False),
-            fallbacks,
-        )
-
-
-class OraclePolicy(_PolicyBase):
-    """Exact information, minimum cost, no margin/trust/bound: the simulator's upper reference."""
-
-    name = "oracle"
-
-    def decide(self, ctx: RouteContext) -> Decision:
-        local = local_cost_s(ctx)
-        if ctx.hop_budget <= 0:
-            return _serve(f"{self.name}: serve, hop budget exhausted", local)
-        cheaper = sorted(
-            (cost, c.peer)
-            for c in ctx.candidates
-            if c.peer != self.self_id and c.peer not in ctx.visited
-            for cost in (candidate_cost_s(ctx, c, use_trust=False),)
-            if cost < local and not _same_cost(cost, local)  # ties go to local
-        )
-        if not cheaper:
-            return _serve(f"{self.name}: serve, local est {local:.3f}s is the minimum", local)
-        ranked = _break_top_tie(cheaper, self.rng)
-        cost, peer = ranked[0]
-        fallbacks = tuple(p for _, p in ranked[1 : 1 + self.config.max_fallbacks])
-        return Decision(
-            FORWARD,
-            peer,
-            f"{self.name}: forward to {peer_label(peer)}, est {cost:.3f}s vs local {local:.3f}s",
-            local,
-            cost,
-            fallbacks,
-        )
-
-
 class LocalPolicy(_PolicyBase):
     name = "local"
 
     def decide(self, ctx: RouteContext) -> Decision:
         return _serve(f"{self.name}: always serve", local_cost_s(ctx))
-
-
-class _PickOnePolicy(_PolicyBase):
-    """Shared shape of the baselines that pick a target without looking at costs."""
-
-    name = ""
-
-    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
-        """(target, fallbacks-in-order before checking visited / hop budget)."""
-        raise NotImplementedError
-
-    def decide(self, ctx: RouteContext) -> Decision:
-        local = local_cost_s(ctx)
-        target, further = self._ranked_targets(ctx)
-        if target == self.self_id:
-            return _serve(f"{self.name}: serve, picked self", local)
-        label = peer_label(target)
-        if ctx.hop_budget <= 0:
-            return _serve(f"{self.name}: serve, picked {label} but hop budget exhausted", local)
-        if target in ctx.visited:
-            return _serve(f"{self.name}: serve, picked {label} but it was visited", local)
-        fallbacks = tuple(
-            p for p in further if p != self.self_id and p not in ctx.visited and p != target
-        )[: self.config.max_fallbacks]
-        c = next((c for c in ctx.candidates if c.peer == target), None)
-        est_peer = candidate_cost_s(ctx, c, use_trust=False) if c is not None else None
-        return Decision(
-            FORWARD, target, f"{self.name}: forward to {label}", local, est_peer, fallbacks
-        )
-
-
-class RoundRobinPolicy(_PickOnePolicy):
-    name = "round-robin"
-
-    def __init__(self, config: RoutingConfig, rng: random.Random, self_id: bytes) -> None:
-        super().__init__(config, rng, self_id)
-        self.counter = 0
-
-    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
-        ring = [self.self_id, *_pool(ctx, self.self_id)]
-        target = ring[self.counter % len(ring)]
-        self.counter += 1
-        return target, []
-
-
-class RandomPolicy(_PickOnePolicy):
-    name = "random"
-
-    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
-        ring = [self.self_id, *_pool(ctx, self.self_id)]
-        return ring[self.rng.randrange(len(ring))], []
 
 
 def rendezvous_score(key: bytes, node: bytes) -> int:
@@ -999,36 +871,9 @@ def rendezvous_score(key: bytes, node: bytes) -> int:
     return int.from_bytes(digest, "big")
 
 
-class ConsistentHashPolicy(_PickOnePolicy):
-    name = "consistent-hash"
-
-    def decide(self, ctx: RouteContext) -> Decision:
-        if ctx.first_block is None:
-            return _serve(f"{self.name}: serve, request has no whole block", local_cost_s(ctx))
-        return super().decide(ctx)
-
-    def _ranked_targets(self, ctx: RouteContext) -> tuple[bytes, list[bytes]]:
-        assert ctx.first_block is not None
-        key = ctx.first_block
-        ring = [self.self_id, *_pool(ctx, self.self_id)]
-        ranked = sorted(ring, key=lambda n: (-rendezvous_score(key, n), n))
-        target = ranked[0]
-        # Fallbacks: the next nodes in rendezvous order, up to (not past) this node,
-        # which would serve the request itself.
-        rest = ranked[1:]
-        if self.self_id in rest:
-            rest = rest[: rest.index(self.self_id)]
-        return target, rest
-
-
 _POLICIES: dict[str, type] = {
     "prefixmesh": PrefixMeshPolicy,
-    "paper": PaperPolicy,
-    "round-robin": RoundRobinPolicy,
-    "random": RandomPolicy,
     "local": LocalPolicy,
-    "consistent-hash": ConsistentHashPolicy,
-    "oracle": OraclePolicy,
 }
 
 

@@ -95,10 +95,14 @@ def test_defaults():
     assert cfg.tenant_specs()[0].visibility == "public"
 
 
-def test_policy_names_match_routing_module():
+def test_policy_names_are_the_deployable_ones(tmp_path):
     from prefixmesh.overlay.core import routing
 
-    assert POLICY_NAMES == routing.POLICY_NAMES
+    assert POLICY_NAMES == routing.DEPLOYABLE_POLICIES
+    # the baselines are for the simulator and benchmarks (bench/policies.py), not a node
+    for name in ("oracle", "paper", "round-robin"):
+        with pytest.raises(ConfigError, match="policy"):
+            load_config(None, {"routing.policy": name})
 
 
 def test_every_node_flag_has_a_config_key():
@@ -313,7 +317,7 @@ n_gpu_layers = 2
 [digest]
 fanout = 5
 [routing]
-policy = "paper"
+policy = "local"
 margin_s = 0.5
 [http]
 listen = "127.0.0.1:8080"

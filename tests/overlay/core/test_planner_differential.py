@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prefixmesh.bench.policies import make_policy
 from prefixmesh.bench.sim import MODEL_FP, SimConfig, Simulator, _Req
 from prefixmesh.bench.workloads import Request, Workload
 from prefixmesh.inference.backend import BackendLoad
@@ -26,7 +27,6 @@ from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.digest import DigestRecord, LoadFigures, NamespaceDelta
 from prefixmesh.overlay.core.partition import HolderMatch
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
-from prefixmesh.overlay.core.routing import make_policy
 from prefixmesh.overlay.heartbeat import PeerHealth
 from prefixmesh.overlay.infer import InferService, InferSettings
 

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+# every policy, baselines included (bench/policies.py builds them all)
+from prefixmesh.bench.policies import POLICY_NAMES, make_policy
 from prefixmesh.overlay.core.routing import (
     FORWARD,
-    POLICY_NAMES,
     SERVE,
     Candidate,
     Decision,
@@ -28,7 +29,6 @@ from prefixmesh.overlay.core.routing import (
     is_hot,
     load_bound,
     local_cost_s,
-    make_policy,
     placement_bound,
     rent_key,
 )
@@ -113,6 +113,10 @@ def test_context_freezes_collections() -> None:
 def test_unknown_policy_is_a_typed_error() -> None:
     with pytest.raises(UnknownPolicy, match="no-such"):
         make_policy("no-such")
+    from prefixmesh.overlay.core import routing
+
+    with pytest.raises(UnknownPolicy, match="oracle"):  # baselines: bench/policies.py only
+        routing.make_policy("oracle")
     assert issubclass(UnknownPolicy, RoutingError)
 
 
