@@ -1,7 +1,7 @@
 """Routing policies compared on real node processes (``prefixmesh bench swarm``).
 
 For each policy in ``--policies`` the benchmark starts ``--nodes`` real node processes on
-127.0.0.1 (``python -m prefixmesh.node.daemon``: the same ``run_node`` that ``prefixmesh
+127.0.0.1 (``python -m prefixmesh.bench.node_entry``: the daemon's ``run_node`` that ``prefixmesh
 node`` runs, with the real default model, one llama.cpp thread each, its own key and cache
 folder in a fresh temporary folder, every node bootstrapped from node 0, DHT and mDNS off)
 and replays the *same* request sequence through the client API (``node/client.py``):
@@ -198,7 +198,7 @@ def build_trace(cfg: SwarmBenchConfig) -> Trace:
 
 
 class NodeProcess:
-    """One ``python -m prefixmesh.node.daemon`` process with its own key and cache folder."""
+    """One ``python -m prefixmesh.bench.node_entry`` process (the daemon; baselines allowed) with its own key and cache folder."""
 
     def __init__(self, root: Path, index: int, cfg: SwarmBenchConfig, policy: str,
                  model_path: Path, bootstrap: Sequence[str] = ()):
