@@ -198,7 +198,8 @@ def build_trace(cfg: SwarmBenchConfig) -> Trace:
 
 
 class NodeProcess:
-    """One ``python -m prefixmesh.bench.node_entry`` process (the daemon; baselines allowed) with its own key and cache folder."""
+    """One ``python -m prefixmesh.bench.node_entry`` process (the daemon, baselines
+    allowed) with its own key and cache folder."""
 
     def __init__(self, root: Path, index: int, cfg: SwarmBenchConfig, policy: str,
                  model_path: Path, bootstrap: Sequence[str] = ()):
