@@ -248,6 +248,8 @@ class Node:
             local_load=self._queue_and_active,
             interval_s=self.options.heartbeat_interval_s,
             timeout_s=self.options.heartbeat_timeout_s,
+            # our context length in every PONG: entry nodes refuse a prompt no node fits
+            context_tokens=lambda: getattr(self.backend, "context_tokens", None),
         )
         self.directory.on_new_peer = self.heartbeat.watch
         self.heartbeat.on_forget = self.directory.forget  # bounded dialing (issue 14)

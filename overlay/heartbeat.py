@@ -75,6 +75,7 @@ class PeerHealth:
     pongs: int = 0
     failed_dials: int = 0  # failed attempts (dial or first PING) while never up
     summary_hash: bytes = b""  # the peer's digest summary hash, as last reported
+    n_ctx: int = 0  # the peer's context length from its PONGs (0: not said)
 
 
 class Heartbeat:
@@ -94,6 +95,7 @@ class Heartbeat:
         idle_close_s: float = 30.0,
         on_change: Callable[[bytes, bool], None] | None = None,
         summary_hash: Callable[[], bytes] | None = None,
+        context_tokens: Callable[[], int | None] | None = None,
     ):
         self.host = host
         self.addrs_of = addrs_of
@@ -108,6 +110,7 @@ class Heartbeat:
         self.idle_close_s = idle_close_s
         self.on_change = on_change
         self.summary_hash = summary_hash  # ours, reported in PONGs when it changes
+        self.context_tokens = context_tokens  # ours, reported in every PONG
         self.health: dict[bytes, PeerHealth] = {}
         self._nursery: trio.Nursery | None = None
         self._monitored: set[bytes] = set()
@@ -330,6 +333,8 @@ class Heartbeat:
         h.queue_depth, h.active = frame.queue_depth, frame.active
         if frame.summary_hash:
             h.summary_hash = frame.summary_hash
+        if frame.n_ctx:
+            h.n_ctx = frame.n_ctx
         self._set(peer, True)
 
     async def handle(self, stream) -> None:
@@ -348,7 +353,9 @@ class Heartbeat:
                 q, a = self.local_load()
                 current = self.summary_hash() if self.summary_hash is not None else b""
                 changed = current if current != last_hash else b""
-                await fs.send(wire.Pong(frame.nonce, q, a, changed), timeout_s=self.timeout_s)
+                n_ctx = (self.context_tokens() if self.context_tokens is not None else 0) or 0
+                await fs.send(wire.Pong(frame.nonce, q, a, changed, n_ctx),
+                              timeout_s=self.timeout_s)
                 last_hash = current
                 self.pings_answered += 1
                 # a peer that pings us is alive and reachable: monitor it too

@@ -44,7 +44,7 @@ import os
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 
 import trio
@@ -77,6 +77,7 @@ from .core.planner import (
     PlanInput,
     Planner,
     Reject,
+    fits_context,
 )
 from .core.routing import Candidate, Policy, RouteContext, candidate_cost_s
 from .core.trust import MISMATCH, SpotChecker, TrustTracker
@@ -585,6 +586,7 @@ class InferService:
                 # a PONG's figures are fresher than the digest's
                 load=float(h.queue_depth + h.active) if h is not None and h.pongs else None,
                 addrs=tuple(self.host.remote_addrs(peer)) if self._subnets is not None else (),
+                context_tokens=h.n_ctx or None if h is not None else None,
             )
         if self.share_limiter is not None:
             kept = set(self.share_limiter.filter(sorted(peers), now, key=lambda p: p))
@@ -592,6 +594,7 @@ class InferService:
         trust = ({p: self.trust.trust(p, now) for p in peers} if self.trust is not None
                  else {})  # fmt: skip
         avg_s = max(load.avg_request_s, 0.01)
+        own_ctx = _context_tokens(self.backend)
         return PlanInput(
             ns=req.ns,
             chain=tuple(chain),
@@ -606,15 +609,15 @@ class InferService:
             visited=visited,
             forwarded_in=bool(req.trace),
             peers=peers,
-            may_serve_here=tenant.may_serve(self.me),
+            may_serve_here=tenant.may_serve(self.me) and fits_context(len(req.tokens), own_ctx),
             carried=dict(req.holders) if req.holders else None,
             may_look_up=not req.trace,  # forwarded in: the entry node already looked
             trust=trust,
             subnets=self._subnets,
-            # decided where the request enters, before routing: only our own context is
-            # known (peers do not advertise theirs), and a forwarding hop must not refuse
-            # what its sender may still serve
-            context_tokens=_context_tokens(self.backend) if not req.trace else None,
+            # decided where the request enters, before routing (a forwarding hop must not
+            # refuse what its sender may still serve): the largest context known, ours or
+            # a peer's from its PONGs; peers too small for the prompt are not candidates
+            context_tokens=_largest_context(own_ctx, peers) if not req.trace else None,
         )
 
     async def _look_up(self, homes: tuple[bytes, ...], ns: bytes, chain: list[bytes]
@@ -1099,6 +1102,12 @@ async def _set_on_exit(event: trio.Event):
         yield
     finally:
         event.set()
+
+
+def _largest_context(own: int | None, peers: Mapping[bytes, PeerLink]) -> int | None:
+    if own is None:
+        return None
+    return max([own, *(link.context_tokens for link in peers.values() if link.context_tokens)])
 
 
 def _context_tokens(backend: Backend) -> int | None:

@@ -70,6 +70,7 @@ __all__ = [
     "MAX_SHED_CANDIDATES",
     "CacheView",
     "Forward",
+    "fits_context",
     "FullView",
     "LookUp",
     "PartitionedView",
@@ -188,6 +189,12 @@ class PartitionedView:
 # ---------------------------------------------------------------------------- inputs
 
 
+def fits_context(prompt_tokens: int, context_tokens: int | None) -> bool:
+    """Whether a prompt can be served by a node of this context (unknown: assume it can;
+    generation needs at least one free position, hence the strict inequality)."""
+    return context_tokens is None or prompt_tokens < context_tokens
+
+
 @dataclass(frozen=True)
 class PeerLink:
     """A peer that is up, as this node sees the link (not its digest)."""
@@ -195,6 +202,7 @@ class PeerLink:
     rtt_s: float | None = None  # None: never measured (DEFAULT_RTT_S)
     load: float | None = None  # queued + running from a fresh PONG; None: use the digest's
     addrs: tuple[str, ...] = ()  # addresses of our live connection (the subnet cap)
+    context_tokens: int | None = None  # the peer's context length (its PONG); None: not said
 
 
 @dataclass(frozen=True)
@@ -220,7 +228,9 @@ class PlanInput:
     may_look_up: bool = True  # entry node that has not looked up yet
     trust: Mapping[bytes, float] = field(default_factory=dict)  # .get(peer, 1.0)
     subnets: SubnetLimiter | None = None  # Sybil cap on candidates per subnet; None: off
-    context_tokens: int | None = None  # smallest context among the nodes; None: unknown
+    # the largest context among this node and the peers that said theirs: a prompt that
+    # fits none of them is refused before routing; None: unknown (never refuse)
+    context_tokens: int | None = None
     all_peers: tuple[bytes, ...] | None = None  # baselines' pool; None: the eligible peers
 
 
@@ -354,7 +364,8 @@ class Planner:
 
     def _eligible(self, inp: PlanInput) -> set[bytes]:
         visited, me, vouches = inp.visited, self.me, self.view.vouches
-        return {p for p in inp.peers if p != me and p not in visited and vouches(p)}
+        return {p for p, link in inp.peers.items() if p != me and p not in visited
+                and vouches(p) and fits_context(inp.prompt_tokens, link.context_tokens)}
 
     def _load(self, inp: PlanInput, peer: bytes) -> tuple[float, LoadFigures | None] | None:
         """A peer's load (a PONG's, else its digest's) and digest figures; None: unknown."""

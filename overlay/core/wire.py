@@ -294,6 +294,9 @@ class Pong:
     # since the last PONG on this stream (b"": unchanged); lets peers skip digest
     # exchanges with nodes that already hold the same records
     summary_hash: bytes = b""
+    # the responder's context length in tokens (0: not said), so an entry node refuses a
+    # prompt that fits no node and forwards none to a node too small for it
+    n_ctx: int = 0
 
 
 @dataclass(frozen=True)
@@ -385,6 +388,8 @@ def _pong_obj(frame: Pong) -> dict[str, Any]:
     obj = {"t": "pong", "n": frame.nonce, "q": frame.queue_depth, "a": frame.active}
     if frame.summary_hash:
         obj["h"] = frame.summary_hash
+    if frame.n_ctx:
+        obj["c"] = frame.n_ctx
     return obj
 
 
@@ -694,7 +699,7 @@ def _ping_from(obj: dict) -> Ping:
 
 
 def _pong_from(obj: dict) -> Pong:
-    keys = ("t", "n", "q", "a", "h") if "h" in obj else ("t", "n", "q", "a")
+    keys = ("t", "n", "q", "a") + tuple(k for k in ("h", "c") if k in obj)
     f = _Fields(obj, "pong", keys)
     summary_hash = f.bytes("h", MAX_SUMMARY_HASH_BYTES) if "h" in obj else b""
     if "h" in obj and not summary_hash:
@@ -704,6 +709,8 @@ def _pong_from(obj: dict) -> Pong:
         queue_depth=f.int("q", 0, 2**31 - 1),
         active=f.int("a", 0, 2**31 - 1),
         summary_hash=summary_hash,
+        # an unknown context is sent by omitting the key, never as 0
+        n_ctx=f.int("c", 1, 2**31 - 1) if "c" in obj else 0,
     )
 
 

@@ -80,7 +80,8 @@ frames = st.one_of(
     st.builds(w.Error, code=st.sampled_from(sorted(w.ERROR_CODES)), message=short),
     st.builds(w.Ping, nonce=st.integers(0, 2**63 - 1)),
     st.builds(w.Pong, nonce=st.integers(0, 2**63 - 1), queue_depth=st.integers(0, 100),
-              active=st.integers(0, 9), summary_hash=st.binary(max_size=32)),
+              active=st.integers(0, 9), summary_hash=st.binary(max_size=32),
+              n_ctx=st.one_of(st.just(0), st.integers(1, 2**31 - 1))),
     st.just(w.PeersQuery()),
 )
 
@@ -331,3 +332,16 @@ def test_carried_holders_are_validated():
     bad([[b"x" * (w.MAX_ID_BYTES + 1), 1]], w.LimitExceeded, "peer")
     bad([[bytes([i % 256, i // 256]), 1] for i in range(w.MAX_CARRIED_HOLDERS + 1)],
         w.LimitExceeded, "ho")
+
+
+def test_pong_context_length_is_optional_and_never_zero_on_the_wire():
+    import cbor2
+
+    assert w.decode_body(w.encode_frame(w.Pong(1, n_ctx=2048))[4:]).n_ctx == 2048
+    assert "c" not in cbor2.loads(w.encode_frame(w.Pong(1))[4:])  # 0: not said
+    old = cbor2.dumps({"t": "pong", "n": 1, "q": 0, "a": 0}, canonical=True)  # says nothing
+    assert w.decode_body(old).n_ctx == 0
+    for bad in (0, -5, 2**31, "big"):
+        with pytest.raises(w.WireError):
+            w.decode_body(cbor2.dumps({"t": "pong", "n": 1, "q": 0, "a": 0, "c": bad},
+                                      canonical=True))
