@@ -92,7 +92,7 @@ import random
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 from prefixmesh.inference.core.blocks import (
@@ -382,12 +382,17 @@ class _Req:
 # ---------------------------------------------------------------------------- simulator
 
 
+PROGRESS_EVERY_S = 2.0  # the CLI's rule: every step longer than 2 s says how far it is
+
+
 class Simulator:
     """One simulation run of ``workload`` under ``config`` (see the module docstring)."""
 
-    def __init__(self, workload: Workload, config: SimConfig) -> None:
+    def __init__(self, workload: Workload, config: SimConfig,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         if config.nodes < 1:
             raise ValueError("nodes must be >= 1")
+        self.progress = progress  # (done, total) about every PROGRESS_EVERY_S of wall time
         self.cfg = config
         self.workload = workload
         self.routing = (
@@ -570,7 +575,15 @@ class Simulator:
             n_reqs = len(reqs)
             next_i = 0
             heap = self.heap
+            last_report = wall0
+            steps = 0
             while self.m_done < n_reqs:
+                steps += 1
+                if self.progress is not None and steps % 4096 == 0:  # cheap: rarely a clock
+                    t = time.perf_counter()
+                    if t - last_report >= PROGRESS_EVERY_S:
+                        last_report = t
+                        self.progress(self.m_done, n_reqs)
                 if next_i < n_reqs and (
                     not heap or reqs[next_i].arrival_s + self.warmup <= heap[0][0]
                 ):
@@ -973,9 +986,10 @@ class Simulator:
         return SimResult(conf, wl.name, self.m_done, span, wall, metrics)
 
 
-def simulate(workload: Workload, config: SimConfig) -> SimResult:
-    """Run one simulation."""
-    return Simulator(workload, config).run()
+def simulate(workload: Workload, config: SimConfig,
+             progress: Callable[[int, int], None] | None = None) -> SimResult:
+    """Run one simulation (``progress(done, total)`` is called every few seconds)."""
+    return Simulator(workload, config, progress).run()
 
 
 # ---------------------------------------------------------------------------- convergence
@@ -1321,7 +1335,8 @@ def run_bench_sim(ns: argparse.Namespace) -> int:
                 raise ValueError("--rate-factor must be > 0")
             wl = wl.scaled(ns.rate_factor)
         cfg = config_from_args(ns)
-        result = simulate(wl, cfg)
+        result = simulate(wl, cfg, progress=lambda done, total: print(
+            f"bench sim: {done}/{total} requests", file=sys.stderr, flush=True))
     except (WorkloadError, ValueError) as exc:
         print(f"prefixmesh bench sim: {exc}", file=sys.stderr)
         return 2

@@ -378,13 +378,29 @@ async def _replay(addrs: Sequence[str], trace: Sequence[TraceRequest],
                 forward_hops=sum(1 for h in f.hops if h.action == "forward"),
             )  # fmt: skip
 
+        async def report_progress() -> None:  # a long replay is not silence
+            while True:
+                await trio.sleep(PROGRESS_EVERY_S)
+                done = sum(1 for r in records if r["error"] != "not finished")
+                print(f"bench swarm: {done}/{len(trace)} requests answered or failed",
+                      file=sys.stderr, flush=True)
+
         t_start = trio.current_time()
         last_arrival = trace[-1].arrival_s if trace else 0.0
         with trio.move_on_after(last_arrival + cfg.drain_s) as scope:
             async with trio.open_nursery() as nursery:
-                for i, req in enumerate(trace):
-                    await trio.sleep_until(t_start + req.arrival_s)
-                    nursery.start_soon(one, i, req)
+                progress = trio.CancelScope()
+
+                async def progress_task() -> None:
+                    with progress:
+                        await report_progress()
+
+                nursery.start_soon(progress_task)
+                async with trio.open_nursery() as requests:
+                    for i, req in enumerate(trace):
+                        await trio.sleep_until(t_start + req.arrival_s)
+                        requests.start_soon(one, i, req)
+                progress.cancel()
         wall = trio.current_time() - t_start
     meta = {"mesh_wait_s": round(mesh_s, 2), "replay_wall_s": round(wall, 2),
             "cut_short": scope.cancelled_caught}
@@ -515,6 +531,9 @@ def _run_inner(spec_path: Path, out_path: Path) -> int:
         results.append(res)
         out_path.write_text(json.dumps(results))
     return 0
+
+
+PROGRESS_EVERY_S = 2.0  # the CLI's rule: every step longer than 2 s says how far it is
 
 
 def _time_budget_s(cfg: SwarmBenchConfig, trace: Trace) -> float:

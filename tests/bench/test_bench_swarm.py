@@ -95,7 +95,7 @@ def test_config_from_cli_flags_and_validation():
 
 
 @pytest.mark.slow
-def test_tiny_swarm_run_serves_every_request_and_cleans_up():
+def test_tiny_swarm_run_serves_every_request_and_cleans_up(capfd):
     cfg = SwarmBenchConfig(nodes=2, requests=6, policies=("prefixmesh",), max_tokens=2,
                            rate=2.0, n_ctx=1024, drain_s=45.0, request_timeout_s=45.0)
     result = run_swarm_bench(cfg)
@@ -112,3 +112,5 @@ def test_tiny_swarm_run_serves_every_request_and_cleans_up():
         names = {line.split()[0] for line in listing.splitlines() if line.strip()}
         assert f"pmbench{os.getpid()}" not in names
     assert "prefixmesh" in format_table(result)
+    # the replay lasts > 2 s (6 requests at 2/s): it reported how far it was
+    assert "requests answered or failed" in capfd.readouterr().err

@@ -290,3 +290,18 @@ def test_trust_feedback_drives_the_nodes_trust_tracker():
     # without feedback nobody keeps trust and every claim counts in full
     blind = Simulator(wl, SimConfig(nodes=8, policy="prefixmesh", liar_fraction=0.25, seed=2))
     assert all(n.trust is None for n in blind.nodes)
+
+
+def test_progress_is_reported_and_changes_nothing(small_wl, monkeypatch):
+    import prefixmesh.bench.sim as sim_mod
+
+    monkeypatch.setattr(sim_mod, "PROGRESS_EVERY_S", 0.0)  # report at every check
+    cfg = SimConfig(nodes=4, policy="prefixmesh")
+    seen: list[tuple[int, int]] = []
+    with_progress = simulate(small_wl, cfg, progress=lambda d, t: seen.append((d, t)))
+    assert seen and all(0 <= d <= t == len(small_wl.requests) for d, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    def simulated(m):  # the wall-clock speed figure differs between any two runs
+        return {k: v for k, v in m.items() if "wall" not in k}
+
+    assert simulated(with_progress.metrics) == simulated(simulate(small_wl, cfg).metrics)
