@@ -173,6 +173,9 @@ class GatewaySettings:
     # (only allowed on a loopback address, see check_bind).
     api_keys: Mapping[str, str | None] = field(default_factory=dict, repr=False)
     default_tenant: str = "public"
+    # tenants usable over HTTP without an API key (only when no key is configured at all);
+    # a private tenant always needs a key bound to it or the gateway-wide key
+    public_tenants: frozenset[str] = frozenset({"public"})
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
     deadline_s: float = 60.0
@@ -218,6 +221,7 @@ def settings_from_config(cfg: Any) -> GatewaySettings:
         listen=cfg.http.listen,
         api_keys=keys,
         default_tenant=default,
+        public_tenants=frozenset(s.name for s in cfg.tenant_specs() if s.public),
         deadline_s=float(cfg.routing.deadline_s),
         default_max_tokens=int(cfg.client.max_tokens),
     )
@@ -298,7 +302,8 @@ def _match_key(api_keys: Mapping[str, str | None], presented: str) -> str | None
 def resolve_tenant(settings: GatewaySettings, authorization: str | None,
                    tenant_header: str | None, known_tenants: Sequence[str]) -> str:
     """The tenant a request runs in; raises :class:`Unauthorized`, :class:`PermissionDenied`
-    or :class:`NotFound`."""
+    or :class:`NotFound`. With no API key configured only ``settings.public_tenants`` are
+    served: a private tenant needs a key bound to it or the gateway-wide key."""
     bound: str | None = None
     if settings.api_keys:
         if not authorization:
@@ -318,11 +323,17 @@ def resolve_tenant(settings: GatewaySettings, authorization: str | None,
         if name not in known_tenants:
             raise NotFound(f"tenant {name!r} is not configured on this node",
                            param=TENANT_HEADER, code="tenant_not_found")
-        return name
-    name = bound if bound is not None else settings.default_tenant
-    if name not in known_tenants:
-        raise NotFound(f"tenant {name!r} is not configured on this node",
-                       code="tenant_not_found")
+    else:
+        name = bound if bound is not None else settings.default_tenant
+        if name not in known_tenants:
+            raise NotFound(f"tenant {name!r} is not configured on this node",
+                           code="tenant_not_found")
+    if not settings.api_keys and name not in settings.public_tenants:
+        # no key at all: a private namespace's secret is not for any local HTTP client
+        raise Unauthorized(
+            f"tenant {name!r} is private: over HTTP it needs an API key; configure "
+            f'[http.keys] "KEY" = "{name}" (or [http].api_key) and send '
+            "'Authorization: Bearer KEY'", code="api_key_required")
     return name
 
 

@@ -208,8 +208,10 @@ def test_resolve_tenant_rules():
     with pytest.raises(NotFound):
         resolve_tenant(s, "Bearer a", "other", known)
     open_settings = GatewaySettings(default_tenant="public")
-    assert resolve_tenant(open_settings, None, "team", known) == "team"
+    assert resolve_tenant(open_settings, None, "public", known) == "public"
     assert resolve_tenant(open_settings, "Bearer whatever", None, known) == "public"
+    with pytest.raises(Unauthorized):  # a private tenant over HTTP needs a key (issue 14.4)
+        resolve_tenant(open_settings, None, "team", known)
 
 
 def test_non_loopback_bind_requires_a_key():
