@@ -47,7 +47,7 @@ Trust (``trust_feedback``, off by default so routing is compared without it)
     Every router keeps the node's own ``TrustTracker`` (``overlay/core/trust.py``): candidates
     carry its trust, and when a forwarded request finishes, each router on its path
     charges its next hop with what the serving node really reused (rule (a), exactly as
-    ``InferService._observe_final`` does with the FINAL frame; observed at completion,
+    ``RouteExecutor.observe_final`` does with the FINAL frame; observed at completion,
     the return delay aside). Without it every claim is taken at face value (trust 1).
 
 One planner (``overlay/core/planner.py``)

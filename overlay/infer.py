@@ -44,7 +44,7 @@ import os
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import trio
@@ -52,8 +52,6 @@ import trio
 from prefixmesh.inference.backend import (
     Backend,
     BackendError,
-    GenerateRequest,
-    TokenChunk,
 )
 from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 
@@ -79,32 +77,19 @@ from .core.planner import (
     Reject,
     fits_context,
 )
-from .core.routing import Candidate, Policy, RouteContext, candidate_cost_s
-from .core.trust import MISMATCH, SpotChecker, TrustTracker
+from .core.routing import Policy
+from .core.trust import SpotChecker, TrustTracker
 from .events import InferObserver, NullObserver, RequestDone
+from .forwarding import RETRYABLE_CODES, Relay, RouteExecutor
 from .heartbeat import Heartbeat
 from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
 from .partgossip import PartitionGossip
 from .serving import LocalServer
+from .spotcheck import SpotCheckRunner
 
 __all__ = ["InferSettings", "InferService", "RETRYABLE_CODES"]
 
 log = logging.getLogger(__name__)
-
-#: ERROR codes from a next hop after which another node may still succeed ("duplicate":
-#: that node is already handling this request id, e.g. it got the first attempt of a
-#: fallback through another path; "unknown_namespace": the next hop does not serve the
-#: tenant - digests only list namespaces a peer has cached something in, so a shedding
-#: or baseline policy may pick a peer that does not; another node, or this one, can)
-RETRYABLE_CODES = frozenset(
-    {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed", "duplicate",
-     "unknown_namespace"}
-)
-#: how long a peer that answered "unknown_namespace" is not offered that namespace again
-NOT_SERVING_TTL_S = 60.0
-_MAX_NOT_SERVING = 4096
-_LOCAL = b""  # sentinel target: serve here
-
 
 @dataclass
 class InferSettings:
@@ -136,66 +121,6 @@ class InferSettings:
     # partial replication: the most an entry node waits for a home's lookup answer (on
     # expiry: no candidates, decided as if no peer held the prefix)
     lookup_timeout_s: float = 1.0
-
-
-class _HopFailed(Exception):
-    """The next hop failed (reason in the message)."""
-
-
-@dataclass
-class _Relay:
-    """What has been sent upstream; filters a resumed source's repeated output."""
-
-    emit: Callable[[wire.Frame], Awaitable[None]]
-    sent_text: str = ""
-    sent_frames: int = 0
-    replay: str | None = None  # text a resumed source must reproduce before relaying
-    finished: bool = False
-    # what the observer's RequestDone reports (InferService._done_event)
-    action: str = "pending"  # serve | forward | fallback | reject, once known
-    reason: str = ""
-    error: str = ""  # the code of the ERROR frame sent upstream, if one was
-    final: wire.Final | None = None
-    t_first: float | None = None  # when the first TOKENS/FINAL went upstream
-
-    async def tokens(self, frame: wire.Tokens) -> None:
-        if self.replay is not None:
-            self.replay += frame.text
-            if len(self.replay) < len(self.sent_text):
-                if not self.sent_text.startswith(self.replay):
-                    raise _Diverged()
-                return
-            if not self.replay.startswith(self.sent_text):
-                raise _Diverged()
-            rest = self.replay[len(self.sent_text) :]
-            self.replay = None
-            if not rest:
-                return
-            frame = wire.Tokens(rest, ())
-        self.sent_text += frame.text
-        self.sent_frames += 1
-        await self.emit(frame)
-
-
-class _Diverged(Exception):
-    pass
-
-
-@dataclass
-class _Observed:
-    """What one remote source returned (for spot checks): its text, token ids, FINAL."""
-
-    text: list[str]
-    ids: list[int]
-    ids_complete: bool = True  # every TOKENS frame carried the ids of its text
-    final: wire.Final | None = None
-
-
-@dataclass(frozen=True)
-class _SpotJob:
-    peer: bytes  # the next hop we forwarded to (accountable for what it returned)
-    req: wire.Request
-    observed: _Observed
 
 
 class InferService:
@@ -244,23 +169,13 @@ class InferService:
         # observed honesty of next hops (overlay/core/trust.py): discounts their claimed cache
         # in routing; fed with FINAL frames (claimed vs reused tokens) and hop failures
         self.trust = trust
-        # optional cap on any one peer's share of our forwards (overlay/core/trust.py); off by
-        # default in the daemon: in swarms of 2-3 nodes it halves legitimate forwarding
-        self.share_limiter = share_limiter
-        # optional re-execution of forwarded greedy requests (overlay/core/trust.py SpotChecker);
-        # jobs queue for :meth:`run_spot_checks`, which the daemon runs in its nursery
-        self.spot_checker = spot_checker
         # partial replication ([digest].partitions > 0; the daemon sets it once its
         # PartitionGossip exists): the planner's view becomes the partitioned one
         self._partition: PartitionGossip | None = None
         self.partition = partition
-        self._spot_send: trio.MemorySendChannel | None = None
-        self.spot_log: list[dict] = []  # the last verdicts' evidence (bounded, newest last)
         self.closing = False
         self._inflight: set[trio.CancelScope] = set()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
-        # (peer, ns) -> until when: peers that said they do not serve a namespace
-        self._not_serving: OrderedDict[tuple[bytes, bytes], float] = OrderedDict()
         self._open_streams = 0
         self._streams_by_peer: dict[bytes, int] = {}
         self.stats = {
@@ -280,6 +195,40 @@ class InferService:
             "subnet_limited": 0,
             "duplicates": 0,
         }
+        # optional re-execution of forwarded greedy requests (overlay/core/trust.py
+        # SpotChecker); jobs queue for :meth:`run_spot_checks`, run in the daemon's nursery
+        self.spot = SpotCheckRunner(
+            checker=spot_checker, backend=backend, index=index, trust=trust, clock=clock,
+            stats=self.stats, max_pending=s.max_pending_spot_checks,
+            timeout_s=s.spot_check_timeout_s)
+        # route execution: forward, fallback, resume (overlay/forwarding.py)
+        self.routes = RouteExecutor(
+            me=self.me, host=host, heartbeat=heartbeat, server=self.server, settings=s,
+            clock=clock, stats=self.stats, observe=self._observe,
+            on_answered=self.spot.answered, trust=trust,
+            # optional cap on any one peer's share of our forwards (overlay/core/limits.py);
+            # off by default: in swarms of 2-3 nodes it halves legitimate forwarding
+            share_limiter=share_limiter)
+
+    @property
+    def share_limiter(self) -> ForwardShareLimiter | None:
+        return self.routes.share_limiter
+
+    @share_limiter.setter
+    def share_limiter(self, limiter: ForwardShareLimiter | None) -> None:
+        self.routes.share_limiter = limiter
+
+    @property
+    def spot_checker(self) -> SpotChecker | None:
+        return self.spot.checker
+
+    @property
+    def spot_log(self) -> list[dict]:
+        return self.spot.log
+
+    async def run_spot_checks(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run queued spot checks (overlay/spotcheck.py); the daemon starts it."""
+        await self.spot.run(task_status=task_status)
 
     @property
     def partition(self) -> PartitionGossip | None:
@@ -387,7 +336,7 @@ class InferService:
         t_recv = self.clock() if t_recv is None else t_recv
         entry = not req.trace
         self.stats["requests"] += 1
-        relay = _Relay(emit)
+        relay = Relay(emit)
         relay.emit = functools.partial(self._emit_observed, relay, emit)
         self._observe("request_started", req.id, entry)
         try:
@@ -395,7 +344,7 @@ class InferService:
         finally:
             self._observe("request_done", self._done_event(req, relay, entry, t_recv))
 
-    async def _emit_observed(self, relay: _Relay, emit, frame: wire.Frame) -> None:
+    async def _emit_observed(self, relay: Relay, emit, frame: wire.Frame) -> None:
         """``emit``, noting what the observer's RequestDone reports."""
         if relay.t_first is None and isinstance(frame, wire.Tokens | wire.Final):
             relay.t_first = self.clock()
@@ -413,7 +362,7 @@ class InferService:
         except Exception:  # an observer bug must never fail a request
             log.exception("observer failed in %s", method)
 
-    def _done_event(self, req: wire.Request, relay: _Relay, entry: bool, t_recv: float
+    def _done_event(self, req: wire.Request, relay: Relay, entry: bool, t_recv: float
                     ) -> RequestDone:
         final = relay.final
         hops = final.hops if final is not None else req.trace
@@ -436,7 +385,7 @@ class InferService:
             ns=req.ns,
         )
 
-    async def _process(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
+    async def _process(self, req: wire.Request, relay: Relay, t_recv: float) -> None:
         now = self.clock()
         error: tuple[str, str] | None = None
         if self.closing:
@@ -478,12 +427,10 @@ class InferService:
             await relay.emit(wire.Error(code, msg))
         relay.finished = True
 
-    async def _finish_error(self, relay: _Relay, code: str, message: str) -> None:
-        self.stats["errors"] += 1
-        relay.finished = True
-        await relay.emit(wire.Error(code, message[: wire.MAX_ERROR_CHARS]))
+    async def _finish_error(self, relay: Relay, code: str, message: str) -> None:
+        await self.routes.fail(relay, code, message)
 
-    async def _route(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
+    async def _route(self, req: wire.Request, relay: Relay, t_recv: float) -> None:
         try:
             await self._route_checked(req, relay, t_recv)
         except (HostError, wire.WireError):
@@ -493,7 +440,7 @@ class InferService:
             if not relay.finished:
                 await self._finish_error(relay, "internal", f"{type(exc).__name__}: {exc}")
 
-    async def _route_checked(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
+    async def _route_checked(self, req: wire.Request, relay: Relay, t_recv: float) -> None:
         if req.hop_budget > self.settings.hop_budget:
             req = replace(req, hop_budget=self.settings.hop_budget)
         tenant = self.tenants.lookup(req.ns)
@@ -534,8 +481,8 @@ class InferService:
         if plan.carry is not None:  # the holder list the next hop decides with (partitioned)
             req = replace(req, holders=plan.carry)
         claims = {c.peer: c for c in plan.ctx.candidates}
-        await self._run_targets(req, relay, t_recv, list(plan.targets), plan.decision, hop_base,
-                                claims, plan.ctx)
+        await self.routes.run(req, relay, t_recv, list(plan.targets), plan.decision, hop_base,
+                              claims, plan.ctx)
 
     async def _plan(self, req: wire.Request, tenant) -> tuple[Plan, wire.Hop | None]:
         """Ask the planner (overlay/core/planner.py) what to do, carrying out its lookups;
@@ -578,7 +525,7 @@ class InferService:
         health = self.heartbeat.health
         peers: dict[bytes, PeerLink] = {}
         for peer in self.heartbeat.up_peers():
-            if peer in visited or not tenant.may_serve(peer) or self._is_not_serving(peer, req.ns):
+            if peer in visited or not tenant.may_serve(peer) or self.routes.is_not_serving(peer, req.ns):
                 continue
             h = health.get(peer)
             peers[peer] = PeerLink(
@@ -638,7 +585,7 @@ class InferService:
         not appear in a full-replication node's stats)."""
         self.stats[key] = self.stats.get(key, 0) + 1
 
-    async def _relay_only(self, req: wire.Request, relay: _Relay, t_recv: float) -> None:
+    async def _relay_only(self, req: wire.Request, relay: Relay, t_recv: float) -> None:
         """A namespace this node is not configured for: pass it to a peer that holds it.
 
         It cannot compute the namespace's chains (they are keyed by the tenant secret), so
@@ -664,444 +611,7 @@ class InferService:
             return
         self._rng.shuffle(holders)
         hop = wire.Hop(peer=self.me, action="serve", reason="relay: namespace not configured here")
-        decision = None
-        await self._run_targets(req, relay, t_recv, holders[:4], decision, hop)
-
-    async def _run_targets(self, req, relay: _Relay, t_recv, targets, decision, hop_base,
-                           claims: dict[bytes, Candidate] | None = None,
-                           ctx: RouteContext | None = None) -> None:
-        extra_hops: list[wire.Hop] = []
-        failure: str | None = None
-        failed: list[bytes] = []
-        for i, target in enumerate(targets):
-            if relay.sent_frames and req.sampling.temperature > 0.0:
-                await self._finish_error(
-                    relay,
-                    "upstream_failed",
-                    "the serving node failed mid-stream (sampling is random: not resumable)",
-                )
-                return
-            if relay.sent_frames:
-                relay.replay = ""
-                self.stats["resumed"] += 1
-            if target == _LOCAL:
-                reason = (
-                    hop_base.reason
-                    if (decision is None or decision.action == "serve") and not failed
-                    else f"fallback: {len(failed)} forward(s) failed"
-                )
-                hop = replace(hop_base, action="serve", reason=reason[: wire.MAX_SHORT_STRING])
-                source = self.server.source(req, t_recv, [*req.trace, *extra_hops], hop)
-                self.stats["served_local"] += 1
-            else:
-                hop = replace(
-                    hop_base,
-                    action="forward",
-                    next_peer=target,
-                    reason=(hop_base.reason if i == 0 else "fallback after a failed hop")[
-                        : wire.MAX_SHORT_STRING
-                    ],
-                )
-                hops = (*req.trace, *extra_hops, hop)[-wire.MAX_HOPS :]
-                visited = (*req.visited, self.me, *failed)[-wire.MAX_HOPS :]
-                downstream = replace(
-                    req,
-                    hop_budget=max(0, req.hop_budget - 1),
-                    visited=tuple(dict.fromkeys(visited)),
-                    trace=hops,
-                )
-                claimed = (claims or {}).get(target)
-                observed = _Observed([], [])
-                source = self._remote_source(target, downstream, t_recv, claimed, observed,
-                                             self._patience_s(ctx, claimed))
-                self.stats["forwarded"] += 1
-                if self.share_limiter is not None:
-                    self.share_limiter.record(target, self.clock())
-            if target != _LOCAL:
-                self._observe("forwarded", "forward" if i == 0 and not failed else "fallback",
-                              hop.reason)
-            relay.action = ("fallback" if failed else "serve" if target == _LOCAL else "forward")
-            relay.reason = hop.reason
-            sent_before = relay.sent_frames
-            failure = await self._pump(relay, source)
-            if failure is None:
-                if target != _LOCAL and sent_before == 0:
-                    self._maybe_spot_check(target, req, observed)
-                return
-            self.stats["fallbacks"] += 1
-            self._observe("fallback", failure)
-            log.info(
-                "request %s: hop %s failed: %s",
-                req.id.hex()[:8],
-                "local" if target == _LOCAL else peer_id_to_b58(target)[-8:],
-                failure,
-            )
-            if target != _LOCAL:
-                failed.append(target)
-                if failure.startswith("unknown_namespace"):
-                    # not a fault: it just does not serve this tenant; skip it for a while
-                    self._mark_not_serving(target, req.ns)
-                elif self.trust is not None:
-                    self.trust.observe_failure(target, self.clock())
-                extra_hops.append(
-                    replace(
-                        hop, action="fallback", reason=f"failed: {failure}"[: wire.MAX_SHORT_STRING]
-                    )
-                )
-        if relay.finished:
-            return
-        await self._finish_error(
-            relay,
-            "no_route",
-            f"every candidate failed (last: {failure})" if targets
-            else "no node may serve this request",
-        )
-
-    async def _pump(
-        self, relay: _Relay, produce: Callable[[trio.MemorySendChannel], Awaitable[None]]
-    ) -> str | None:
-        """Relay the frames one source produces; None when the request is finished
-        (FINAL+END or a final ERROR went upstream), else why this source failed (the
-        caller tries the next one).
-
-        The source runs as a task feeding a channel (never as an async generator, whose
-        yields inside nurseries and cancel scopes trio does not allow)."""
-        send, recv = trio.open_memory_channel[wire.Frame](16)
-        failure: list[str] = []
-        runner_done = trio.Event()
-
-        async def runner() -> None:
-            async with send, _set_on_exit(runner_done):
-                try:
-                    await produce(send)
-                except _HopFailed as exc:
-                    failure.append(str(exc))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-
-        async def consume() -> str | None:
-            async with recv:
-                async for frame in recv:
-                    if isinstance(frame, wire.Tokens):
-                        await relay.tokens(frame)
-                    elif isinstance(frame, wire.Final):
-                        if relay.replay is not None:  # the replacement said less than we sent
-                            raise _Diverged()
-                        relay.finished = True
-                        await relay.emit(frame)
-                        await relay.emit(wire.End())
-                        return None
-                    elif isinstance(frame, wire.Error):
-                        # no cancel here: leaving `async with recv` is a checkpoint, and a
-                        # cancellation there would swallow the return value
-                        if frame.code in RETRYABLE_CODES:
-                            return f"{frame.code}: {frame.message}"[:200]
-                        relay.finished = True
-                        self.stats["errors"] += 1
-                        await relay.emit(frame)
-                        return None
-            return failure[0] if failure else "stream ended without FINAL"
-
-        # Exceptions are caught inside the nursery body and re-raised after it, so that
-        # callers see plain exceptions, not ExceptionGroups.
-        outcome: str | None = None
-        raised: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(runner)
-            try:
-                outcome = await consume()
-            except Exception as exc:
-                raised = exc
-            if raised is None and outcome is None:
-                # finished: let the source read its END and close cleanly (bounded)
-                with trio.move_on_after(1.0):
-                    await runner_done.wait()
-            nursery.cancel_scope.cancel()
-        if isinstance(raised, _Diverged):
-            await self._finish_error(
-                relay,
-                "upstream_failed",
-                "the serving node failed mid-stream and the replacement's output differs",
-            )
-            return None
-        if raised is not None:
-            raise raised
-        return outcome
-
-    # --- spot checks -------------------------------------------------------------------
-
-    def _maybe_spot_check(self, peer: bytes, req: wire.Request, observed: _Observed) -> None:
-        """Draw whether to re-execute a forwarded request that a peer answered in full;
-        queue the check (never awaited here: the client already has its answer)."""
-        checker = self.spot_checker
-        if checker is None or self._spot_send is None or observed.final is None:
-            return
-        est = self.index.estimate(peer)
-        peer_model = est.model if est is not None else b""
-        if not checker.should_check(temperature=req.sampling.temperature,
-                                    local_model=self.backend.model_fingerprint,
-                                    peer_model=peer_model):
-            return
-        try:
-            self._spot_send.send_nowait(_SpotJob(peer, req, observed))
-        except trio.WouldBlock:
-            self.stats["spot_dropped"] += 1
-
-    async def run_spot_checks(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run queued spot checks one at a time (the daemon starts this in its nursery).
-
-        At most ``max_pending_spot_checks`` wait; more are dropped (``spot_dropped``), so
-        checks can never pile up behind a busy engine."""
-        send, recv = trio.open_memory_channel[_SpotJob](self.settings.max_pending_spot_checks)
-        self._spot_send = send
-        task_status.started()
-        try:
-            async with recv:
-                async for job in recv:
-                    try:
-                        await self._spot_check(job)
-                    except Exception:  # a check must never take the node down
-                        self.stats["spot_failed"] += 1
-                        log.exception("spot check of %s failed", job.req.id.hex()[:8])
-        finally:
-            self._spot_send = None
-
-    async def _spot_check(self, job: _SpotJob) -> None:
-        req, observed = job.req, job.observed
-        gen_req = GenerateRequest(
-            ns=req.ns,
-            tokens=req.tokens,
-            max_tokens=req.sampling.max_tokens,
-            temperature=0.0,
-            top_p=req.sampling.top_p,
-            seed=req.sampling.seed,
-            deadline=self.clock() + self.settings.spot_check_timeout_s,
-        )
-        text: list[str] = []
-        ids: list[int] = []
-        try:
-            with trio.fail_after(self.settings.spot_check_timeout_s):
-                async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
-                    async for ev in events:
-                        if isinstance(ev, TokenChunk):
-                            text.append(ev.text)
-                            ids.extend(ev.token_ids)
-        except (BackendError, trio.TooSlowError) as exc:
-            # the engine could not re-execute (busy, deadline): no verdict either way
-            self.stats["spot_failed"] += 1
-            log.info("spot check of %s not run: %s", req.id.hex()[:8], exc)
-            return
-        assert self.spot_checker is not None
-        if observed.ids_complete and (ids or observed.ids):
-            expected, got, unit = ids, observed.ids, "token"
-        else:  # the peer sent text only (stream=False): compare code points
-            expected, got, unit = [ord(c) for c in "".join(text)], \
-                [ord(c) for c in "".join(observed.text)], "char"
-        verdict = self.spot_checker.compare(job.peer, req.id, expected, got)
-        self.stats["spot_checks"] += 1
-        self.stats[{"match": "spot_matches", "mismatch": "spot_mismatches"}.get(
-            verdict.kind, "spot_drifts")] += 1
-        before = after = None
-        if self.trust is not None:
-            before = self.trust.trust(job.peer, self.clock())
-            after = self.trust.observe_spot_check(job.peer, self.clock(), verdict)
-        serving = observed.final.serving if observed.final is not None else b""
-        evidence = {
-            "request_id": req.id.hex(),
-            "peer": peer_id_to_b58(job.peer),
-            "serving": peer_id_to_b58(serving) if serving else "",
-            "kind": verdict.kind,
-            "unit": unit,
-            "first_mismatch": verdict.first_mismatch,
-            "expected": list(verdict.expected),
-            "got": list(verdict.got),
-            "trust_before": before,
-            "trust_after": after,
-        }
-        self.spot_log.append(evidence)
-        del self.spot_log[:-64]
-        if verdict.kind == MISMATCH:
-            log.warning(
-                "spot check MISMATCH: request %s peer %s (serving %s): %s; first mismatch at "
-                "%s %s: expected %s got %s; trust %.3f -> %.3f",
-                evidence["request_id"], evidence["peer"], evidence["serving"], verdict.reason,
-                unit, verdict.first_mismatch, evidence["expected"], evidence["got"],
-                before if before is not None else -1.0, after if after is not None else -1.0,
-            )
-        else:
-            log.info("spot check %s: request %s peer %s: %s", verdict.kind,
-                     evidence["request_id"][:8], evidence["peer"][-8:], verdict.reason)
-
-    def _remote_source(self, peer: bytes, req: wire.Request, t_recv: float,
-                       claimed: Candidate | None = None, observed: _Observed | None = None,
-                       patience_s: float | None = None):
-        s = self.settings
-        patience_s = s.first_frame_timeout_s if patience_s is None else patience_s
-
-        async def produce(out: trio.MemorySendChannel) -> None:
-            if not self.heartbeat.is_up(peer):
-                raise _HopFailed("peer is down")
-            fs: FramedStream | None = None
-            for attempt in range(2):  # a pooled spare may be dead: retry once with a new one
-                try:
-                    stream, pooled = await self.host.take_stream(peer, wire.INFER_PROTOCOL,
-                                                                 s.stream_timeout_s)
-                except HostError as exc:
-                    self.heartbeat.mark_down(peer)
-                    self.host.drop_pool(peer)
-                    raise _HopFailed(f"open stream: {exc}") from None
-                fs = FramedStream(stream, timeout_s=s.send_timeout_s)
-                try:
-                    await fs.send(req)
-                    break
-                except HostError as exc:
-                    with trio.CancelScope(shield=True):
-                        await fs.reset()
-                    if not pooled or attempt:
-                        raise _HopFailed(f"send request: {exc}") from None
-            assert fs is not None
-            state = wire.InferStreamState()
-            failure: list[str] = []
-            try:
-                state.request_sent(req)
-                async with trio.open_nursery() as nursery:
-
-                    async def down_watch() -> None:
-                        await self.heartbeat.wait_down(peer)
-                        failure.append("peer went down (heartbeat)")
-                        nursery.cancel_scope.cancel()
-
-                    nursery.start_soon(down_watch)
-                    # one cancel scope whose deadline moves: the hop's patience until its
-                    # first frame, then max_frame_gap_s after every frame
-                    first_seen: list[bool] = []
-                    with trio.CancelScope(deadline=trio.current_time() + patience_s) as quiet:
-                        await self._read_hop(fs, state, peer, out, t_recv, claimed, observed,
-                                             quiet, failure, first_seen)
-                    if quiet.cancelled_caught and not failure:
-                        failure.append(
-                            f"no first frame within {patience_s:.1f} s (patience)"
-                            if not first_seen else
-                            f"stalled for {s.max_frame_gap_s:.1f} s mid-stream")
-                    nursery.cancel_scope.cancel()
-                if failure:
-                    raise _HopFailed(failure[0])
-            finally:
-                with trio.CancelScope(shield=True):
-                    if state.finished:
-                        await fs.close()
-                    else:
-                        await fs.reset()
-
-        return produce
-
-
-    async def _read_hop(self, fs: FramedStream, state: wire.InferStreamState, peer: bytes,
-                        out: trio.MemorySendChannel, t_recv: float, claimed: Candidate | None,
-                        observed: _Observed | None, quiet: trio.CancelScope,
-                        failure: list[str], first_seen: list[bool]) -> None:
-        """Relay a next hop's frames into ``out``; each frame moves ``quiet``'s deadline
-        (the most silence tolerated mid-stream). Failures go to ``failure``;
-        ``first_seen`` gets an entry at the first TOKENS or FINAL frame."""
-        ttft_ms = -1.0
-        first = True
-        try:
-            while True:
-                frame = await fs.receive(timeout_s=math.inf)
-                if frame is None:
-                    raise _HopFailed("stream ended early")
-                state.on_response(frame)
-                quiet.deadline = trio.current_time() + self.settings.max_frame_gap_s
-                if first and isinstance(frame, wire.Tokens | wire.Final):
-                    first = False
-                    first_seen.append(True)
-                    ttft_ms = (self.clock() - t_recv) * 1000.0
-                    # now, not earlier: see OverlayHost.take_stream
-                    self.host.refill_pool(peer, wire.INFER_PROTOCOL)
-                if observed is not None:
-                    if isinstance(frame, wire.Tokens):
-                        observed.text.append(frame.text)
-                        observed.ids.extend(frame.token_ids)
-                        if frame.text and not frame.token_ids:
-                            observed.ids_complete = False
-                    elif isinstance(frame, wire.Final):
-                        observed.final = frame
-                if isinstance(frame, wire.Final):
-                    frame = _patch_ttft(frame, self.me, ttft_ms)
-                    if self.trust is not None:
-                        self._observe_final(peer, claimed, frame)
-                if isinstance(frame, wire.End):
-                    return
-                await out.send(frame)
-                if isinstance(frame, wire.Error):
-                    return
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except (HostError, wire.WireError) as exc:
-            failure.append(f"{type(exc).__name__}: {exc}")
-        except _HopFailed as exc:
-            failure.append(str(exc))
-
-    def _mark_not_serving(self, peer: bytes, ns: bytes) -> None:
-        key = (peer, ns)
-        self._not_serving[key] = self.clock() + NOT_SERVING_TTL_S
-        self._not_serving.move_to_end(key)
-        while len(self._not_serving) > _MAX_NOT_SERVING:
-            self._not_serving.popitem(last=False)
-
-    def _is_not_serving(self, peer: bytes, ns: bytes) -> bool:
-        until = self._not_serving.get((peer, ns))
-        if until is None:
-            return False
-        if self.clock() >= until:
-            del self._not_serving[(peer, ns)]
-            return False
-        return True
-
-    def _patience_s(self, ctx: RouteContext | None, c: Candidate | None) -> float:
-        """How long to wait for a next hop's first frame: ``first_frame_factor`` x the
-        policy's estimate for it (its claimed cache taken at face value, so a peer that
-        claims much and delivers slowly is dropped early), within [floor, timeout]."""
-        s = self.settings
-        if ctx is None or c is None:
-            return s.first_frame_timeout_s
-        est = candidate_cost_s(ctx, c, use_trust=False)
-        return min(s.first_frame_timeout_s, max(s.first_frame_floor_s, s.first_frame_factor * est))
-
-    def _observe_final(self, peer: bytes, claimed: Candidate | None, final: wire.Final) -> None:
-        """Trust rules (a) and (c) for the next hop ``peer`` we forwarded to.
-
-        (a) is judged by the outcome, whoever served: we went to ``peer`` for the cache it
-        claimed, and the FINAL frame says how much was reused. A peer that passes the
-        request on is accountable for what its relay delivered, otherwise a liar escapes
-        every penalty by relaying what it attracts (measured: 7 of 10 forwards to a lying
-        node relayed, trust still 0.55). An honest relay to a longer holder is honoured;
-        one to a shorter holder is a proportional miss, like any stale claim.
-        (c) needs the peer's own prefill time, so only a FINAL it served counts."""
-        assert self.trust is not None
-        now = self.clock()
-        self.trust.observe_cache(
-            peer, now, claimed_tokens=claimed.matched_tokens if claimed else 0,
-            cached_tokens=final.cached_tokens)
-        if claimed is None or final.serving != peer or claimed.prefill_tps <= 0 \
-                or final.ttft_ms < 0:
-            return
-        # its TTFT counts from its receipt of the request: minus the queue wait it
-        # advertised, the rest is restore + prefill (the generous ratio in TrustConfig
-        # absorbs a stale queue figure)
-        prefill_s = max(0.0, final.ttft_ms / 1000.0 - claimed.queue_wait_s)
-        self.trust.observe_capacity(
-            peer, now, claimed_prefill_tps=claimed.prefill_tps,
-            uncached_tokens=max(0, final.prompt_tokens - final.cached_tokens),
-            prefill_s=prefill_s)
-
-
-@contextlib.asynccontextmanager
-async def _set_on_exit(event: trio.Event):
-    try:
-        yield
-    finally:
-        event.set()
+        await self.routes.run(req, relay, t_recv, holders[:4], None, hop)
 
 
 def _largest_context(own: int | None, peers: Mapping[bytes, PeerLink]) -> int | None:
@@ -1114,15 +624,6 @@ def _context_tokens(backend: Backend) -> int | None:
     """The engine's context length, when the backend says (decides context_length_exceeded)."""
     n = getattr(backend, "context_tokens", None)
     return n if isinstance(n, int) and n > 0 else None
-
-
-def _patch_ttft(final: wire.Final, me: bytes, ttft_ms: float) -> wire.Final:
-    hops = list(final.hops)
-    for i in range(len(hops) - 1, -1, -1):
-        if hops[i].peer == me and hops[i].action == "forward":
-            hops[i] = replace(hops[i], ttft_ms=ttft_ms)
-            break
-    return replace(final, hops=tuple(hops))
 
 
 def _finite(x: float | None) -> float:

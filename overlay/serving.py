@@ -36,8 +36,9 @@ class LocalServer:
         self.clock = clock
 
     def source(self, req: wire.Request, t_recv: float, hops: list[wire.Hop], hop: wire.Hop):
-        """A frame producer for ``InferService._pump``: runs ``req`` on the engine and
-        sends TOKENS frames, then FINAL (with ``hops`` + this node's ``hop``), or ERROR."""
+        """A frame producer for ``RouteExecutor.pump`` (overlay/forwarding.py): runs ``req``
+        on the engine and sends TOKENS frames, then FINAL (with ``hops`` + this node's
+        ``hop``), or ERROR."""
         gen_req = GenerateRequest(
             ns=req.ns,
             tokens=req.tokens,

@@ -19,7 +19,8 @@ from prefixmesh.node.daemon import Node, NodeOptions
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.identity import Identity
 from prefixmesh.overlay.core.limits import ForwardShareLimiter
-from prefixmesh.overlay.infer import _Diverged, _Relay
+from prefixmesh.overlay.forwarding import Diverged as _Diverged
+from prefixmesh.overlay.forwarding import Relay as _Relay
 
 SYSTEM = "a long shared system prompt about routing requests to cached prefixes. " * 10
 
@@ -507,7 +508,7 @@ def test_peer_without_the_namespace_is_retried_around_and_remembered(tmp_path, m
             tried_b = [ans for ans in answers if ans.final.hops[0].action == "fallback"]
             assert len(tried_b) == 1, [[h.action for h in x.final.hops] for x in answers]
             assert "unknown_namespace" in tried_b[0].final.hops[0].reason
-            assert a.infer._is_not_serving(b.identity.peer_id, a.tenants.by_name("team").ns_id)
+            assert a.infer.routes.is_not_serving(b.identity.peer_id, a.tenants.by_name("team").ns_id)
             record = a.infer.trust.record(b.identity.peer_id)
             assert record is None or record.failures == 0
             await _shutdown([a, b])
