@@ -36,6 +36,7 @@ from prefixmesh.inference.core.radix import RadixTree
 __all__ = [
     "BackendError",
     "BackendOverloaded",
+    "BackendInvalidRequest",
     "GenerateRequest",
     "TokenChunk",
     "Completion",
@@ -56,6 +57,10 @@ class BackendOverloaded(BackendError):
     """The engine's queue is full."""
 
 
+class BackendInvalidRequest(BackendError):
+    """The request cannot be run as asked (e.g. a grammar llama.cpp cannot compile)."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     ns: bytes  # namespace id (8 bytes)
@@ -65,12 +70,22 @@ class GenerateRequest:
     top_p: float = 1.0
     seed: int = 0
     deadline: float = math.inf  # absolute Unix seconds
+    grammar: str = ""  # llama.cpp GBNF the output must follow ("" = unconstrained)
+    logprobs: int = -1  # -1: none; else each token's logprob and that many alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    piece: bytes  # the token's bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...] = ()  # most likely first
 
 
 @dataclass(frozen=True)
 class TokenChunk:
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
 
 
 @dataclass(frozen=True)
@@ -333,6 +348,15 @@ class LlamaBackend:
             raise BackendError(str(exc)) from None
         return tuple(rendered.tokens)
 
+    async def check_grammar(self, grammar: str) -> None:
+        """Raise :class:`BackendInvalidRequest` if the engine cannot compile ``grammar``."""
+        from prefixmesh.inference.engine import InvalidRequestError
+
+        try:
+            await trio.to_thread.run_sync(self.engine.check_grammar, grammar)
+        except InvalidRequestError as exc:
+            raise BackendInvalidRequest(str(exc)) from None
+
     async def match_length(self, ns: bytes, tokens: Sequence[int]) -> int:
         namespace = self._namespaces.get(ns)
         if namespace is None or self.engine is None:
@@ -340,7 +364,12 @@ class LlamaBackend:
         return self.engine.cached_tokens(namespace, tokens)[0]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Completion]:
-        from prefixmesh.inference.engine import EngineBusy, EngineError, SamplingParams
+        from prefixmesh.inference.engine import (
+            EngineBusy,
+            EngineError,
+            InvalidRequestError,
+            SamplingParams,
+        )
 
         namespace = self._namespaces.get(request.ns)
         if namespace is None or self.engine is None:
@@ -350,11 +379,15 @@ class LlamaBackend:
             temperature=request.temperature,
             seed=request.seed if request.temperature > 0 else None,
             top_p=request.top_p if request.top_p > 0 else 1.0,
+            grammar=request.grammar or None,
+            logprobs=request.logprobs if request.logprobs >= 0 else None,
         )
         try:
             handle = self.engine.submit_tokens(request.tokens, namespace, params)
         except EngineBusy as exc:
             raise BackendOverloaded(str(exc)) from None
+        except InvalidRequestError as exc:
+            raise BackendInvalidRequest(str(exc)) from None
         except (EngineError, ValueError) as exc:
             raise BackendError(str(exc)) from None
         pieces = iter(handle)
@@ -371,7 +404,10 @@ class LlamaBackend:
                     raise BackendError(str(exc)) from None
                 if piece is None:
                     break
-                yield TokenChunk(piece.text, (piece.token,))
+                lp = ()
+                if piece.logprob is not None:
+                    lp = (TokenLogprob(piece.data, piece.logprob, piece.top),)
+                yield TokenChunk(piece.text, (piece.token,), lp)
             try:
                 completion = handle.result(timeout=5)
             except Exception as exc:

@@ -12,6 +12,9 @@ Serve path of a request (prompt token ids P, namespace ns):
    prompt token on its own;
 4. sample (greedy, or seeded temperature/top-k/top-p in numpy: deterministic for a given
    seed and logits) and stream token pieces until EOS/EOG, ``max_tokens`` or cancellation;
+   a request with a grammar (``SamplingParams.grammar``, llama.cpp GBNF) samples only
+   tokens the grammar allows (:class:`_Grammar`), and one asking for logprobs gets each
+   token's log probability and the most likely alternatives (:func:`_logprobs`);
 5. save snapshots of the snapshot points no stored entry covers yet: after generation, so
    that saving costs no time to first token. Each is a *segment*: only the cells past the
    longest stored prefix of the point (copied to sequence 1, ``llama_state_seq_get_data``
@@ -134,6 +137,7 @@ KV_TYPES = {"f16": 1, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
 _N_SEQ = 2
 BATCH_MODES = ("deterministic", "throughput")
 
+MAX_TOP_LOGPROBS = 20
 _EWMA_ALPHA = 0.3
 _MIN_PREFILL_FOR_RATE = 16
 _load_lock = threading.Lock()
@@ -203,6 +207,11 @@ class SamplingParams:
     seed: int | None = None  # used when temperature > 0 (None: fresh entropy)
     top_k: int = 40  # 0 = off
     top_p: float = 0.95  # 1.0 = off
+    # constrained output: a llama.cpp GBNF grammar (root rule "root") every sampled token
+    # must follow; EOG is allowed only where the grammar is complete
+    grammar: str | None = None
+    # None: no logprobs; 0..MAX_TOP_LOGPROBS: each token's logprob and that many alternatives
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -211,6 +220,10 @@ class SamplingParams:
             raise InvalidRequestError("temperature must be >= 0")
         if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_k must be >= 0 and top_p in (0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.grammar is not None and not self.grammar.strip():
+            raise InvalidRequestError("the grammar is empty")
 
 
 @dataclass
@@ -255,6 +268,12 @@ class EngineConfig:
 class TokenPiece:
     token: int
     text: str  # decoded text of this token (UTF-8 sequences split across tokens held back)
+    # with SamplingParams.logprobs: the token's bytes, its log probability under the model
+    # (raw logits, before temperature and any grammar mask) and the most likely tokens at
+    # this step as (bytes, logprob), most likely first
+    data: bytes = b""
+    logprob: float | None = None
+    top: tuple[tuple[bytes, float], ...] = ()
 
 
 @dataclass
@@ -319,6 +338,7 @@ class RequestHandle:
         self._pieces: queue.SimpleQueue = queue.SimpleQueue()
         self._completion: Completion | None = None
         self._error: BaseException | None = None
+        self.grammar: _Grammar | None = None  # compiled at submission (params.grammar)
 
     def cancel(self) -> None:
         """Ask the engine to stop this request (queued: dropped; running: at the next token)."""
@@ -360,6 +380,8 @@ class RequestHandle:
                 log.exception("on_token callback of request %d failed", self.id)
 
     def _finish(self, completion: Completion | None, error: BaseException | None) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
         self._completion, self._error = completion, error
         self._done.set()
         self._pieces.put(_DONE)
@@ -538,6 +560,17 @@ class Engine:
         the tokens it holds, ``lease.length`` how many of ``tokens`` it serves."""
         return self.store.acquire(ns.id, tokens)
 
+    def _compile_grammar(self, text: str) -> _Grammar:
+        with self._vocab_lock:
+            if self._llama is None:
+                raise EngineClosed("the engine is closed")
+            return _Grammar(self._lib, self._vocab, self._n_vocab, text)
+
+    def check_grammar(self, text: str) -> None:
+        """Raise :class:`InvalidRequestError` if llama.cpp cannot compile the GBNF ``text``
+        (thread-safe; what a request with that grammar would be refused for)."""
+        self._compile_grammar(text).close()
+
     def load(self) -> EngineLoad:
         return EngineLoad(
             queue_depth=self._queue.qsize(),
@@ -594,9 +627,13 @@ class Engine:
             )
         self.register_namespace(ns)
         handle = RequestHandle(next(self._ids), tokens, ns, params, boundaries, on_token)
+        if params.grammar is not None:
+            handle.grammar = self._compile_grammar(params.grammar)
         try:
             self._queue.put_nowait(handle)
         except queue.Full:
+            if handle.grammar is not None:
+                handle.grammar.close()
             raise EngineBusy(
                 f"engine queue is full ({self.config.max_queue} requests waiting)"
             ) from None
@@ -882,6 +919,32 @@ class Engine:
             order, p = order[:keep], p[:keep] / p[:keep].sum()
         return int(order[rng.choice(len(order), p=p)])
 
+    def _choose(self, h: RequestHandle, logits: np.ndarray, rng) -> tuple[int, tuple]:
+        """The next token of ``h`` (its grammar applied) and, when it asked for logprobs,
+        ``(bytes, logprob, top)`` of it from the raw logits (else ``()``)."""
+        grammar = h.grammar
+        if grammar is None:
+            tok = self._sample(logits, h.params, rng)
+        else:
+            # try the unconstrained choice first (one token checked instead of the whole
+            # vocabulary); only if the grammar refuses it, sample from the masked logits.
+            # For greedy decoding this is exactly the masked argmax; for sampling it is
+            # the masked distribution (rejection), up to top-k/top-p truncation
+            tok = self._sample(logits, h.params, rng)
+            if not grammar.allows(tok):
+                masked = grammar.mask(logits)
+                if not np.isfinite(masked.max()):
+                    raise EngineError("the grammar allows no next token")
+                tok = self._sample(masked, h.params, rng)
+            if not self._lib.llama_vocab_is_eog(self._vocab, tok):
+                grammar.accept(tok)
+        if h.params.logprobs is None:
+            return tok, ()
+        return tok, _logprobs(logits, tok, h.params.logprobs, self._token_bytes)
+
+    def _token_bytes(self, tok: int) -> bytes:
+        return self._llama.detokenize([tok])
+
     def _serve(self, h: RequestHandle) -> Completion:
         lib = self._lib
         stats = RequestStats(prompt_tokens=len(h.tokens))
@@ -983,7 +1046,7 @@ class Engine:
         finish = "length"
         t_first = None
         while True:
-            tok = self._sample(self._logits(), params, rng)
+            tok, info = self._choose(h, self._logits(), rng)
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t_start
@@ -991,9 +1054,10 @@ class Engine:
                 finish = "stop"
                 break
             generated.append(tok)
-            piece = decoder.decode(self._llama.detokenize([tok]))
+            data = self._llama.detokenize([tok])
+            piece = decoder.decode(data)
             text_parts.append(piece)
-            h._emit(TokenPiece(tok, piece))
+            h._emit(TokenPiece(tok, piece, *info) if info else TokenPiece(tok, piece))
             if len(generated) >= params.max_tokens:
                 finish = "length"
                 break
@@ -1303,7 +1367,7 @@ class Engine:
                 slot.stats.prefill_tokens = len(slot.h.tokens) - slot.stats.cached_tokens
             ptr = lib.llama_get_logits_ith(self._ctx, idx)
             logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-            tok = self._sample(logits, slot.h.params, slot.rng)
+            tok, info = self._choose(slot.h, logits, slot.rng)
             if slot.t_first == 0.0:
                 slot.t_first = time.perf_counter()
                 slot.stats.ttft_s = slot.t_first - slot.t_start
@@ -1311,9 +1375,10 @@ class Engine:
                 slot.finish = "stop"
                 continue
             slot.generated.append(tok)
-            piece = slot.decoder.decode(self._llama.detokenize([tok]))
+            data = self._llama.detokenize([tok])
+            piece = slot.decoder.decode(data)
             slot.text_parts.append(piece)
-            slot.h._emit(TokenPiece(tok, piece))
+            slot.h._emit(TokenPiece(tok, piece, *info) if info else TokenPiece(tok, piece))
             if len(slot.generated) >= slot.h.params.max_tokens:
                 slot.finish = "length"
             elif slot.h.cancelled:
@@ -1353,6 +1418,69 @@ class Engine:
         stats.total_s = t_end - slot.t_start
         stats.finish_reason = finish
         h._finish(Completion(slot.generated, "".join(slot.text_parts), finish, stats), None)
+
+
+class _Grammar:
+    """A compiled llama.cpp GBNF grammar sampler for one request (its parse state advances
+    with :meth:`accept`). Made on the submitting thread (llama.cpp only reads the
+    vocabulary), used on the worker thread, freed when the request finishes."""
+
+    _DTYPE = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+
+    def __init__(self, lib, vocab, n_vocab: int, text: str) -> None:
+        self._lib = lib
+        if "\x00" in text:
+            raise InvalidRequestError("the grammar contains a NUL character")
+        self._ptr = lib.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
+        if not self._ptr:
+            raise InvalidRequestError("llama.cpp cannot parse the grammar (GBNF with a 'root' "
+                                      "rule expected; see the node's log for the position)")
+        self._data = np.zeros(n_vocab, dtype=self._DTYPE)
+        self._ids = np.arange(n_vocab, dtype=np.intc)
+        self._arr = lib.llama_token_data_array(
+            data=self._data.ctypes.data_as(lib.llama_token_data_p), size=n_vocab, selected=-1,
+            sorted=False)
+        self._one = np.zeros(1, dtype=self._DTYPE)
+        self._arr1 = lib.llama_token_data_array(
+            data=self._one.ctypes.data_as(lib.llama_token_data_p), size=1, selected=-1,
+            sorted=False)
+
+    def allows(self, tok: int) -> bool:
+        self._one["id"], self._one["logit"] = tok, 0.0
+        self._arr1.size, self._arr1.selected, self._arr1.sorted = 1, -1, False
+        self._lib.llama_sampler_apply(self._ptr, ctypes.byref(self._arr1))
+        return bool(np.isfinite(self._one["logit"][0]))
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with every token the grammar refuses now set to -inf (a copy)."""
+        d = self._data
+        d["id"], d["logit"], d["p"] = self._ids, logits, 0.0
+        self._arr.size, self._arr.selected, self._arr.sorted = len(d), -1, False
+        self._lib.llama_sampler_apply(self._ptr, ctypes.byref(self._arr))
+        return d["logit"].copy()
+
+    def accept(self, tok: int) -> None:
+        self._lib.llama_sampler_accept(self._ptr, tok)
+
+    def close(self) -> None:
+        ptr, self._ptr = self._ptr, None
+        if ptr:
+            self._lib.llama_sampler_free(ptr)
+
+
+def _logprobs(logits: np.ndarray, tok: int, n_top: int, token_bytes
+              ) -> tuple[bytes, float, tuple[tuple[bytes, float], ...]]:
+    """(bytes of ``tok``, its log-softmax of ``logits``, the ``n_top`` most likely tokens
+    as (bytes, logprob), most likely first, ties by token id)."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    top: tuple[tuple[bytes, float], ...] = ()
+    if n_top:
+        idx = np.argpartition(-x, n_top - 1)[:n_top]
+        idx = idx[np.lexsort((idx, -x[idx]))]
+        top = tuple((token_bytes(int(i)), float(x[i] - lse)) for i in idx)
+    return token_bytes(tok), float(x[tok] - lse), top
 
 
 class _Slot:

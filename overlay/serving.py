@@ -16,6 +16,7 @@ import trio
 from prefixmesh.inference.backend import (
     Backend,
     BackendError,
+    BackendInvalidRequest,
     BackendOverloaded,
     Completion,
     GenerateRequest,
@@ -47,30 +48,35 @@ class LocalServer:
             top_p=req.sampling.top_p,
             seed=req.sampling.seed,
             deadline=req.deadline,
+            grammar=req.grammar,
+            logprobs=req.logprobs,
         )
 
         async def produce(out: trio.MemorySendChannel) -> None:
             ttft_ms = -1.0
             held: list[str] = []  # stream=False: the text goes in one TOKENS frame
+            held_lp: list[wire.TokenLogprob] = []  # ... and its logprobs (when asked for)
             try:
                 async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
                     async for ev in events:
                         if ttft_ms < 0:
                             ttft_ms = (self.clock() - t_recv) * 1000.0
                         if isinstance(ev, TokenChunk):
+                            lp = _wire_logprobs(ev)
                             if not req.stream:
                                 held.append(ev.text)
+                                held_lp.extend(lp)
                                 continue
                             await out.send(
                                 wire.Tokens(
                                     ev.text[: wire.MAX_TEXT_CHARS],
                                     tuple(ev.token_ids[: wire.MAX_CHUNK_TOKENS]),
+                                    lp,
                                 )
                             )
                         elif isinstance(ev, Completion):
-                            text = "".join(held)
-                            for i in range(0, len(text), wire.MAX_TEXT_CHARS):
-                                await out.send(wire.Tokens(text[i : i + wire.MAX_TEXT_CHARS]))
+                            for frame in _held_frames("".join(held), held_lp):
+                                await out.send(frame)
                             trace = (*hops, replace(hop, ttft_ms=ttft_ms))[-wire.MAX_HOPS :]
                             await out.send(
                                 wire.Final(
@@ -94,6 +100,9 @@ class LocalServer:
             except BackendOverloaded as exc:
                 await out.send(wire.Error("overloaded", f"engine: {exc}"[:500]))
                 return
+            except BackendInvalidRequest as exc:
+                await out.send(wire.Error("bad_request", f"engine: {exc}"[:500]))
+                return
             except BackendError as exc:
                 await out.send(wire.Error("internal", f"engine: {exc}"[:500]))
                 return
@@ -101,3 +110,25 @@ class LocalServer:
 
         return produce
 
+
+
+def _wire_logprobs(ev: TokenChunk) -> tuple[wire.TokenLogprob, ...]:
+    return tuple(
+        wire.TokenLogprob(
+            e.piece[: wire.MAX_PIECE_BYTES],
+            max(e.logprob, wire.MIN_LOGPROB),
+            tuple((b[: wire.MAX_PIECE_BYTES], max(lp, wire.MIN_LOGPROB))
+                  for b, lp in e.top[: wire.MAX_TOP_LOGPROBS]),
+        )
+        for e in ev.logprobs
+    )
+
+
+def _held_frames(text: str, logprobs: list[wire.TokenLogprob]) -> list[wire.Tokens]:
+    """A non-streamed answer as TOKENS frames: the text in MAX_TEXT_CHARS pieces, the
+    logprobs in MAX_LOGPROB_ENTRIES pieces (the entry gateway joins them again)."""
+    frames = [wire.Tokens(text[i : i + wire.MAX_TEXT_CHARS])
+              for i in range(0, len(text), wire.MAX_TEXT_CHARS)]
+    for i in range(0, len(logprobs), wire.MAX_LOGPROB_ENTRIES):
+        frames.append(wire.Tokens("", (), tuple(logprobs[i : i + wire.MAX_LOGPROB_ENTRIES])))
+    return frames
