@@ -117,7 +117,8 @@ class Heartbeat:
         self._nonce = 0
         self.pings_answered = 0
         self._down_waiters: dict[bytes, set[trio.Event]] = {}  # wait_down
-        self.gate = DialGate()
+        # the host's one gate (py-libp2p's own dials pass it too); a stand-in host: our own
+        self.gate = getattr(host, "dial_gate", None) or DialGate()
         self.max_hint_peers = MAX_HINT_PEERS
         self._hints: set[bytes] = set()  # monitored peers that hold a hint slot
         self._pending: dict[bytes, None] = {}  # hint peers waiting for a slot, oldest first

@@ -64,9 +64,10 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from .core import wire
+from .core.dialing import DialGate
 from .core.digest import DigestError
 from .core.identity import Identity, peer_id_to_b58
-from .libp2p_guard import GuardedPeerStore, connection_config, install_guards
+from .libp2p_guard import GuardedPeerStore, connection_config, install_guards, own_dial
 
 __all__ = [
     "HostError",
@@ -297,7 +298,10 @@ class OverlayHost:
         )
         if self.libp2p.get_id().to_bytes() != self.peer_id:  # pragma: no cover
             raise HostError("libp2p peer id differs from our identity's peer id")
-        install_guards(self.libp2p, peerstore)
+        # the node's one dial gate: the heartbeat's dials and py-libp2p's own (Kademlia)
+        # pass it (overlay/core/dialing.py, libp2p_guard)
+        self.dial_gate = DialGate()
+        install_guards(self.libp2p, peerstore, self.dial_gate)
         self._nursery: trio.Nursery | None = None
         # pre-negotiated idle streams: (peer, protocol) -> [(stream, opened_at)]
         self._pool: dict[tuple[bytes, str], list[tuple[object, float]]] = {}
@@ -393,7 +397,9 @@ class OverlayHost:
             network.unblock_peer(pid)  # our own backoff decides when to retry
         try:
             with trio.fail_after(timeout_s or self.dial_timeout_s):
-                await self.libp2p.connect(PeerInfo(pid, [multiaddr.Multiaddr(a) for a in addrs]))
+                with own_dial():  # admitted by our caller (heartbeat) or configured
+                    await self.libp2p.connect(
+                        PeerInfo(pid, [multiaddr.Multiaddr(a) for a in addrs]))
         except trio.TooSlowError:
             raise PeerTimeout(f"dial {peer_id_to_b58(peer)[:16]} timed out") from None
         except (HostError, trio.Cancelled):

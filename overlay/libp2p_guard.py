@@ -23,12 +23,23 @@ Connection limits: :func:`connection_config` sets py-libp2p's limits explicitly
 min_connections``; it has no separate outbound cap, so our heartbeat stops dialing new
 peers once :data:`MAX_OUTBOUND_CONNECTIONS` are connected
 (:func:`outbound_room`): dials can never take the slots reserved for peers that dial us.
+
+Library dials: py-libp2p itself dials too (Kademlia queries every peer a ``FIND_NODE``
+answer names, with the addresses that answer gave: attacker-chosen, like digest records).
+:func:`install_guards` wraps the swarm's one dial entry point (``dial_peer``) so that a dial
+the node did not decide itself passes the same :class:`~.core.dialing.DialGate` as the
+heartbeat's (global rate, per-address and per-/24 budgets, in flight), and uses only the
+addresses the gate admitted; over budget it fails at once (:data:`LIBRARY_DIALS_REFUSED`).
+The node's own dials (``OverlayHost.connect``, already admitted by the heartbeat or made
+to a configured bootstrap peer) run inside :func:`own_dial` and are not charged twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
@@ -37,8 +48,12 @@ from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStore
 
+from .core.dialing import DialGate
+
 __all__ = [
     "GuardedPeerStore",
+    "LibraryDialRefused",
+    "own_dial",
     "connection_config",
     "install_guards",
     "outbound_room",
@@ -52,6 +67,10 @@ log = logging.getLogger(__name__)
 
 #: (protocol, exception type name) -> how many exceptions the stream guard contained
 CONTAINED: Counter[tuple[str, str]] = Counter()
+#: py-libp2p's own dials (Kademlia, ...) refused by the dial gate, this process
+LIBRARY_DIALS_REFUSED = Counter()
+#: set while the node dials on its own decision (module docstring)
+_OWN_DIAL: contextvars.ContextVar[bool] = contextvars.ContextVar("own_dial", default=False)
 
 #: all connections (py-libp2p's default is 300, set here so it is ours to reason about): a
 #: connection costs a few file descriptors and ~100 KiB of buffers; 512 stays far below a
@@ -79,8 +98,9 @@ def connection_config() -> ConnectionConfig:
     )
 
 
-def install_guards(libp2p_host, peerstore: GuardedPeerStore) -> None:
-    """Wire the guards into a host made by ``new_host(..., peerstore_opt=peerstore)``.
+def install_guards(libp2p_host, peerstore: GuardedPeerStore, dial_gate: DialGate) -> None:
+    """Wire the guards into a host made by ``new_host(..., peerstore_opt=peerstore)``;
+    ``dial_gate`` is the node's one dial gate (module docstring, "Library dials").
 
     Also: py-libp2p retries every address of a dial 3 more times (``RetryConfig``, not a
     ``new_host`` argument), which made each of our dials 4 TCP attempts per address; our
@@ -89,6 +109,54 @@ def install_guards(libp2p_host, peerstore: GuardedPeerStore) -> None:
     peerstore.connected = lambda: list(network.connections)
     network.retry_config = RetryConfig(max_retries=0)
     network.common_stream_handler = guard_stream_handler(network.common_stream_handler)
+    network.dial_peer = gate_library_dials(network, peerstore, dial_gate)
+
+
+class LibraryDialRefused(Exception):
+    """A dial py-libp2p wanted to make is over the node's dial budget."""
+
+
+@contextlib.contextmanager
+def own_dial():
+    """Mark the dials made inside as the node's own (not charged to the library's budget)."""
+    token = _OWN_DIAL.set(True)
+    try:
+        yield
+    finally:
+        _OWN_DIAL.reset(token)
+
+
+def gate_library_dials(network, peerstore: PeerStore, gate: DialGate,
+                       clock: Callable[[], float] = time.monotonic):
+    """``network.dial_peer`` with the dial gate in front of dials the node did not decide."""
+    dial_peer = network.dial_peer
+
+    async def gated(peer_id: ID):
+        if _OWN_DIAL.get() or any(not c.is_closed for c in network.get_connections(peer_id)):
+            return await dial_peer(peer_id)
+        try:
+            known = list(peerstore.addrs(peer_id))
+        except Exception:  # no entry: the library's own error says it best
+            return await dial_peer(peer_id)
+        ticket = gate.admit([str(a) for a in known], clock())
+        if ticket is None:
+            LIBRARY_DIALS_REFUSED["refused"] += 1
+            raise LibraryDialRefused(
+                f"dial to {peer_id.to_base58()[-8:]} refused: over this node's dial budget")
+        # only the admitted addresses are dialled (the budget was charged for those)
+        admitted = [a for a in known if str(a) in ticket.addrs]
+        with contextlib.suppress(Exception):
+            peerstore.clear_addrs(peer_id)
+            peerstore.add_addrs(peer_id, admitted, 120)
+        ok = False
+        try:
+            conns = await dial_peer(peer_id)
+            ok = True
+            return conns
+        finally:
+            gate.done(ticket, ok)
+
+    return gated
 
 
 def guard_stream_handler(handler):

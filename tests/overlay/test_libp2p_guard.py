@@ -12,7 +12,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from prefixmesh.overlay import libp2p_guard
-from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core import dialing, wire
 from prefixmesh.overlay.core.identity import Identity
 from prefixmesh.overlay.host import FramedStream, OverlayHost, PeerUnreachable
 
@@ -75,3 +75,41 @@ def test_connection_limits_are_explicit_and_keep_an_inbound_reserve():
     assert libp2p_guard.outbound_room(libp2p_guard.MAX_OUTBOUND_CONNECTIONS - 1)
     assert not libp2p_guard.outbound_room(libp2p_guard.MAX_OUTBOUND_CONNECTIONS)
     assert libp2p_guard.MAX_CONNECTIONS - libp2p_guard.MAX_OUTBOUND_CONNECTIONS >= 128
+
+
+def test_library_dials_pass_the_dial_gate_and_own_dials_are_not_charged_twice():
+    """What Kademlia does with a FIND_NODE answer: put the named peers' addresses in the
+    peerstore and open a stream to each. Past the gate's budget those dials fail at once,
+    without a TCP attempt; the node's own dials (OverlayHost.connect) are not charged."""
+
+    async def main():
+        node, honest = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+        gate = node.dial_gate
+        store = node.libp2p.get_peerstore()
+        async with node.run(), honest.run():
+            refused_before = libp2p_guard.LIBRARY_DIALS_REFUSED["refused"]
+            admitted_before = gate.admitted
+            named = [ID(Identity.generate().peer_id) for _ in range(40)]
+            for i, pid in enumerate(named):  # closed ports on addresses of one /24
+                store.add_addrs(pid, [multiaddr.Multiaddr(f"/ip4/127.0.0.{2 + i % 8}/tcp/9")],
+                                3600)
+            failures = 0
+            t0 = trio.current_time()
+            for pid in named:
+                with contextlib.suppress(Exception), trio.move_on_after(2):
+                    await node.libp2p.new_stream(pid, [TProtocol("/ipfs/kad/1.0.0")])
+                failures += 1
+            refused = libp2p_guard.LIBRARY_DIALS_REFUSED["refused"] - refused_before
+            elapsed = trio.current_time() - t0
+            assert failures == 40
+            # the global budget lets its burst through (then its rate); everything else is
+            # refused untried
+            admitted = gate.admitted - admitted_before
+            assert admitted <= dialing.DIAL_BURST + elapsed * dialing.DIAL_RATE_PER_S + 1
+            assert admitted + refused == 40 and refused >= 40 - dialing.DIAL_BURST - 1 - elapsed
+            # our own dial (the heartbeat's, already admitted) is not refused by the gate
+            admitted = gate.admitted
+            await node.connect(honest.peer_id, honest.listen_addrs(), 5)
+            assert node.is_connected(honest.peer_id) and gate.admitted == admitted
+
+    trio.run(main)
