@@ -168,17 +168,16 @@ class Client:
         t = tenant if isinstance(tenant, Tenant) else await self.tenant(tenant)
         request_id = os.urandom(16)
         deadline = time.time() + deadline_s
-        req = wire.Request(
+        req = t.sign(wire.Request(  # the credential binds id, deadline and content
             id=request_id,
             ns=t.ns_id,
-            credential=t.credential(request_id, deadline),
             messages=tuple(wire.Message(r, c) for r, c in messages),
             tokens=tuple(tokens),
             sampling=wire.Sampling(max_tokens=max_tokens, temperature=float(temperature),
                                    top_p=float(top_p), seed=seed),
             deadline=deadline,
             hop_budget=hop_budget,
-        )
+        ))
         state = wire.InferStreamState()
         try:
             stream = await self.host.open_stream(self.peer, wire.INFER_PROTOCOL, min(10.0, deadline_s))

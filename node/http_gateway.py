@@ -963,16 +963,15 @@ class NodeGatewayBackend:
         s = job.sampling
         request_id = os.urandom(16)
         deadline = self.clock() + job.deadline_s
-        req = wire.Request(
+        req = tenant.sign(wire.Request(  # the credential binds id, deadline and content
             id=request_id,
             ns=tenant.ns_id,
-            credential=tenant.credential(request_id, deadline),
             tokens=tokens,
             sampling=wire.Sampling(max_tokens=s.max_tokens, temperature=float(s.temperature),
                                    top_p=float(s.top_p), seed=s.seed),
             deadline=deadline,
             hop_budget=self.hop_budget,
-        )
+        ))
         send, recv = trio.open_memory_channel[Any](_EVENT_BUFFER)
         t_recv = self.infer.clock()  # the service's one clock (overlay/infer.py)
 

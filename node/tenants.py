@@ -27,24 +27,34 @@ any node that holds the secret. Routing should not pick other peers for it.
 Request credentials
 -------------------
 A request in a namespace carries a credential that proves knowledge of the namespace key
-without revealing it and binds it to one request and its deadline::
+without revealing it and binds it to one request, its deadline and its content::
 
     credential = HMAC-SHA256(namespace_key,
-                             b"prefixmesh/cred/v1" || u16be(len(request_id)) || request_id
-                             || f64be(deadline))
+                             b"prefixmesh/cred/v2" || u16be(len(request_id)) || request_id
+                             || f64be(deadline) || content_digest(request))
 
 ``deadline`` is the request's absolute deadline in seconds (float, as carried on the wire).
-:func:`check_credential` recomputes it and compares in constant time; it raises
-:class:`MissingCredential`, :class:`ForgedCredential` (wrong length or wrong MAC),
+``content_digest`` (``overlay/core/reqdigest.py``) covers every field of the wire request
+except those relays legitimately change (hop budget, visited set, route trace, carried
+holders, the credential itself): namespace, prompt (messages or token ids), sampling,
+stream flag, grammar, logprobs, and any field added to the request later. So a relay
+that rewrites the prompt or the sampling settings makes the request fail at the next
+node that holds the secret (issue 14, finding 3). :meth:`Tenant.sign` signs a request,
+:meth:`Tenant.check_request` checks one; an entry node that turns messages into token
+ids holds the secret and signs the tokenized request again.
+:func:`check_credential` recomputes the MAC and compares in constant time; it raises
+:class:`MissingCredential`, :class:`ForgedCredential` (wrong length, or a MAC that does
+not match the request content under this namespace's key),
 :class:`ExpiredCredential` (``now > deadline + clock_skew_s``) or
 :class:`CredentialTooLong` (deadline further than ``max_lifetime_s`` ahead: bounds how
-long a captured credential can be replayed; the daemon additionally drops duplicate
-request ids). A node *not* configured for a namespace (``TenantRegistry.lookup`` returns
+long a captured credential can be replayed; a node remembers the requests it accepted
+until their deadline passes, ``overlay/core/replay.py``, so it never serves one twice). A node *not* configured for a namespace (``TenantRegistry.lookup`` returns
 ``None``) may relay its requests but never caches or serves them.
 
 Public namespaces use the same credentials; anyone can make them, which is the point.
 
-Pure code: standard library, ``inference.blocks`` and ``overlay.privatefile`` only.
+Pure code: standard library, ``inference.blocks``, ``overlay.core.reqdigest`` and
+``overlay.privatefile`` only.
 """
 
 from __future__ import annotations
@@ -55,10 +65,12 @@ import math
 import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prefixmesh.inference.core.blocks import derive_namespace_key, namespace_id
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.reqdigest import DIGEST_BYTES, content_digest
 from prefixmesh.overlay.privatefile import (
     InsecureFileMode,
     NotARegularFile,
@@ -98,7 +110,7 @@ DEFAULT_PUBLIC_TENANT = "public"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096  # also bounds what we read from a secret file
 CREDENTIAL_BYTES = 32
-CREDENTIAL_LABEL = b"prefixmesh/cred/v1"
+CREDENTIAL_LABEL = b"prefixmesh/cred/v2"
 _PUBLIC_SECRET_LABEL = b"prefixmesh/public-namespace/v1/"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TENANT_KEYS = ("secret", "secret_file", "visibility", "allowed_peers")
@@ -132,7 +144,8 @@ class MissingCredential(CredentialError):
 
 
 class ForgedCredential(CredentialError):
-    """The credential does not match the namespace key, request id and deadline."""
+    """The credential does not match the namespace key and the request's id, deadline and
+    content (changed after signing, or signed with another secret)."""
 
 
 class ExpiredCredential(CredentialError):
@@ -187,12 +200,24 @@ class Tenant:
         """Whether ``peer_id`` may serve this namespace (``allowed_peers`` empty: anyone)."""
         return not self.spec.allowed_peers or bytes(peer_id) in self.spec.allowed_peers
 
-    def credential(self, request_id: bytes, deadline: float) -> bytes:
-        return make_credential(self.namespace_key, request_id, deadline)
+    def credential(self, request_id: bytes, deadline: float, content: bytes) -> bytes:
+        return make_credential(self.namespace_key, request_id, deadline, content)
 
     def check(self, request_id: bytes, deadline: float, credential: bytes | None, *,
-              now: float, **kwargs: float) -> None:
-        check_credential(self.namespace_key, request_id, deadline, credential, now=now, **kwargs)
+              content: bytes, now: float, **kwargs: float) -> None:
+        check_credential(self.namespace_key, request_id, deadline, credential,
+                         content=content, now=now, **kwargs)
+
+    def sign(self, req: wire.Request) -> wire.Request:
+        """``req`` with its credential: binds its id, deadline and content digest."""
+        return replace(req, credential=self.credential(req.id, req.deadline,
+                                                       content_digest(req)))
+
+    def check_request(self, req: wire.Request, *, now: float, **kwargs: float) -> None:
+        """Accept ``req`` (signed by :meth:`sign` and changed only in its relay fields) or
+        raise a :class:`CredentialError`."""
+        self.check(req.id, req.deadline, req.credential, content=content_digest(req),
+                   now=now, **kwargs)
 
     @classmethod
     def derive(cls, spec: TenantSpec, model_fingerprint: bytes) -> Tenant:
@@ -392,21 +417,27 @@ def parse_tenant(name: str, table: object, *, base_dir: Path | None = None) -> T
 # --- credentials ------------------------------------------------------------------------
 
 
-def _credential_message(request_id: bytes, deadline: float) -> bytes:
+def _credential_message(request_id: bytes, deadline: float, content: bytes) -> bytes:
     rid = bytes(request_id)
     if len(rid) > 0xFFFF:
         raise CredentialError("request id longer than 65535 bytes")
     d = float(deadline)
     if not math.isfinite(d):
         raise CredentialError("deadline must be a finite number of seconds")
-    return CREDENTIAL_LABEL + struct.pack(">H", len(rid)) + rid + struct.pack(">d", d)
+    if not isinstance(content, bytes | bytearray) or len(content) != DIGEST_BYTES:
+        raise CredentialError(f"content digest must be {DIGEST_BYTES} bytes "
+                              "(overlay.core.reqdigest.content_digest)")
+    return (CREDENTIAL_LABEL + struct.pack(">H", len(rid)) + rid + struct.pack(">d", d)
+            + bytes(content))
 
 
-def make_credential(namespace_key: bytes, request_id: bytes, deadline: float) -> bytes:
-    """The 32-byte credential for one request in the namespace of ``namespace_key``."""
+def make_credential(namespace_key: bytes, request_id: bytes, deadline: float,
+                    content: bytes) -> bytes:
+    """The 32-byte credential for one request in the namespace of ``namespace_key``;
+    ``content`` is the request's :func:`~prefixmesh.overlay.core.reqdigest.content_digest`."""
     if not isinstance(namespace_key, bytes) or not namespace_key:
         raise CredentialError("namespace key must be non-empty bytes")
-    return hmac.new(namespace_key, _credential_message(request_id, deadline),
+    return hmac.new(namespace_key, _credential_message(request_id, deadline, content),
                     hashlib.sha256).digest()
 
 
@@ -416,6 +447,7 @@ def check_credential(
     deadline: float,
     credential: bytes | None,
     *,
+    content: bytes,
     now: float,
     clock_skew_s: float = 5.0,
     max_lifetime_s: float = 3600.0,
@@ -427,11 +459,14 @@ def check_credential(
     """
     if not credential:
         raise MissingCredential("request carries no credential for its namespace")
-    expected = make_credential(namespace_key, request_id, deadline)
+    expected = make_credential(namespace_key, request_id, deadline, content)
     if not isinstance(credential, bytes | bytearray) or len(credential) != CREDENTIAL_BYTES:
         raise ForgedCredential(f"credential is not {CREDENTIAL_BYTES} bytes")
     if not hmac.compare_digest(expected, bytes(credential)):
-        raise ForgedCredential("credential does not match the namespace key")
+        raise ForgedCredential(
+            "credential does not match the request content (id, deadline, prompt, sampling "
+            "and other settings) under this namespace's key: the request was changed after "
+            "it was signed, or signed with another secret")
     if now > float(deadline) + clock_skew_s:
         raise ExpiredCredential(f"deadline passed {now - float(deadline):.1f} s ago")
     if float(deadline) - now > max_lifetime_s:

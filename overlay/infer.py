@@ -55,6 +55,7 @@ from prefixmesh.inference.backend import (
 )
 from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 
+from .core import replay as replaymem
 from .core import wire
 from .core.identity import peer_id_to_b58
 from .core.limits import (
@@ -123,6 +124,13 @@ class InferSettings:
     lookup_timeout_s: float = 1.0
 
 
+#: the refusals of a tenant request the replay memory did not admit
+_REPLAY_ERRORS = {
+    replaymem.REPLAY: ("duplicate", "this node already accepted this request (a replay)"),
+    replaymem.FULL: ("overloaded", "too many accepted requests whose deadlines have not passed "
+                     "(replay memory full); retry later"),
+}
+
 class InferService:
     def __init__(
         self,
@@ -176,6 +184,7 @@ class InferService:
         self.closing = False
         self._inflight: set[trio.CancelScope] = set()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._replay = replaymem.ReplayWindow()  # accepted tenant requests, until their deadline
         self._open_streams = 0
         self._streams_by_peer: dict[bytes, int] = {}
         self.stats = {
@@ -445,17 +454,17 @@ class InferService:
             req = replace(req, hop_budget=self.settings.hop_budget)
         tenant = self.tenants.lookup(req.ns)
         if tenant is not None:
-            try:
-                tenant.check(
-                    req.id,
-                    req.deadline,
-                    req.credential,
-                    now=self.clock(),
-                    clock_skew_s=self.settings.clock_skew_s,
-                )
+            try:  # the credential binds id, deadline and content (overlay/core/reqdigest.py)
+                tenant.check_request(req, now=self.clock(), clock_skew_s=self.settings.clock_skew_s)
             except ValueError as exc:
                 await self._finish_error(relay, "unauthorized", str(exc))
                 return
+            if tenant.visibility != "public":  # anyone signs public requests: no replays
+                verdict = self._replay.admit(req.ns + req.id,
+                                             req.deadline + self.settings.clock_skew_s, self.clock())
+                if verdict != replaymem.NEW:
+                    await self._finish_error(relay, *_REPLAY_ERRORS[verdict])
+                    return
         else:
             await self._relay_only(req, relay, t_recv)
             return
@@ -471,7 +480,8 @@ class InferService:
             if len(tokens) > wire.MAX_PROMPT_TOKENS:
                 await self._finish_error(relay, "bad_request", "prompt too long")
                 return
-        req = replace(req, tokens=tuple(tokens), messages=())
+        if req.messages:  # tokenized here (this node holds the secret): sign the new form
+            req = tenant.sign(replace(req, tokens=tuple(tokens), messages=()))
 
         plan, hop_base = await self._plan(req, tenant)
         if isinstance(plan, Reject):

@@ -409,13 +409,14 @@ def test_a_wrong_tenant_secret_is_refused_with_one_line(swarm, client_configs):
 
 
 def _request_with(entry: str, credential_of) -> BaseException | None:
-    """Send one t1 request whose credential comes from ``credential_of(tenant, id, dl)``."""
+    """Send one t1 request whose credential comes from
+    ``credential_of(tenant, id, dl, content_digest)``."""
     from prefixmesh.node.client import Client
     from prefixmesh.node.tenants import Tenant, TenantSpec
 
     class Tampered(Tenant):
-        def credential(self, request_id: bytes, deadline: float) -> bytes:
-            return credential_of(self, request_id, deadline)
+        def credential(self, request_id: bytes, deadline: float, content: bytes) -> bytes:
+            return credential_of(self, request_id, deadline, content)
 
     async def main() -> BaseException | None:
         async with Client.connect(entry) as client:
@@ -438,15 +439,15 @@ def test_forged_and_missing_credentials_are_refused(swarm):
     from prefixmesh.node.tenants import make_credential
 
     a = swarm[0]
-    forged = _request_with(a.addr, lambda t, rid, dl: bytes(32))
+    forged = _request_with(a.addr, lambda t, rid, dl, c: bytes(32))
     assert isinstance(forged, RequestFailed) and forged.code == "unauthorized", forged
     assert "credential" in forged.message.lower(), forged.message
     assert "unauthorized" in Client.describe_error(forged)
-    missing = _request_with(a.addr, lambda t, rid, dl: b"")
+    missing = _request_with(a.addr, lambda t, rid, dl, c: b"")
     assert isinstance(missing, RequestFailed) and missing.code == "unauthorized", missing
     assert "credential" in missing.message.lower(), missing.message
     # control: the real credential of the same tenant is accepted
-    ok = _request_with(a.addr, lambda t, rid, dl: make_credential(t.namespace_key, rid, dl))
+    ok = _request_with(a.addr, lambda t, rid, dl, c: make_credential(t.namespace_key, rid, dl, c))
     assert ok is None, ok
 
 

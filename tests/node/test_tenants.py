@@ -160,29 +160,31 @@ def test_registry_lookup_and_allowed_peers():
 
 NOW = 1_800_000_000.0
 RID = b"\x01" * 16
+C = b"\x07" * 32  # a content digest (overlay/core/reqdigest.py)
 
 
 def test_credential_accepts():
     key = Tenant.derive(private(), FP_A).namespace_key
-    cred = make_credential(key, RID, NOW + 30)
+    cred = make_credential(key, RID, NOW + 30, C)
     assert len(cred) == CREDENTIAL_BYTES
-    check_credential(key, RID, NOW + 30, cred, now=NOW)
-    check_credential(key, RID, NOW + 30.0, bytearray(cred), now=NOW + 32)  # within skew
+    check_credential(key, RID, NOW + 30, cred, content=C, now=NOW)
+    check_credential(key, RID, NOW + 30.0, bytearray(cred), content=C,
+                     now=NOW + 32)  # within skew
 
 
 def test_credential_missing():
     key = Tenant.derive(private(), FP_A).namespace_key
     for cred in (None, b""):
         with pytest.raises(MissingCredential):
-            check_credential(key, RID, NOW + 30, cred, now=NOW)
+            check_credential(key, RID, NOW + 30, cred, content=C, now=NOW)
 
 
 def test_credential_forged():
     acme = Tenant.derive(private(), FP_A)
-    cred = acme.credential(RID, NOW + 30)
+    cred = acme.credential(RID, NOW + 30, C)
     other = Tenant.derive(private("acme", SECRET + "!"), FP_A)
     cases = [
-        (acme.namespace_key, RID, NOW + 30, other.credential(RID, NOW + 30)),  # wrong secret
+        (acme.namespace_key, RID, NOW + 30, other.credential(RID, NOW + 30, C)),  # wrong secret
         (acme.namespace_key, b"\x02" * 16, NOW + 30, cred),  # other request
         (acme.namespace_key, RID, NOW + 31, cred),  # deadline moved
         (acme.namespace_key, RID, NOW + 30, cred[:-1]),  # truncated
@@ -191,25 +193,26 @@ def test_credential_forged():
     ]
     for key, rid, deadline, c in cases:
         with pytest.raises(ForgedCredential):
-            check_credential(key, rid, deadline, c, now=NOW)
+            check_credential(key, rid, deadline, c, content=C, now=NOW)
 
 
 def test_credential_expired_and_too_long():
     t = Tenant.derive(private(), FP_A)
     with pytest.raises(ExpiredCredential):
-        t.check(RID, NOW - 10, t.credential(RID, NOW - 10), now=NOW)
+        t.check(RID, NOW - 10, t.credential(RID, NOW - 10, C), content=C, now=NOW)
     with pytest.raises(ExpiredCredential):
-        t.check(RID, NOW, t.credential(RID, NOW), now=NOW + 1, clock_skew_s=0.5)
+        t.check(RID, NOW, t.credential(RID, NOW, C), content=C, now=NOW + 1, clock_skew_s=0.5)
     with pytest.raises(CredentialTooLong):
-        t.check(RID, NOW + 7200, t.credential(RID, NOW + 7200), now=NOW)
-    t.check(RID, NOW + 7200, t.credential(RID, NOW + 7200), now=NOW, max_lifetime_s=7200)
+        t.check(RID, NOW + 7200, t.credential(RID, NOW + 7200, C), content=C, now=NOW)
+    t.check(RID, NOW + 7200, t.credential(RID, NOW + 7200, C), content=C, now=NOW,
+            max_lifetime_s=7200)
 
 
 def test_expiry_is_checked_after_the_mac():
     # a forger must not learn anything from the reason: a bad MAC is "forged" even if late
     t = Tenant.derive(private(), FP_A)
     with pytest.raises(ForgedCredential):
-        t.check(RID, NOW - 100, bytes(32), now=NOW)
+        t.check(RID, NOW - 100, bytes(32), content=C, now=NOW)
 
 
 @settings(max_examples=200)
@@ -220,16 +223,46 @@ def test_expiry_is_checked_after_the_mac():
 )
 def test_credential_properties(rid, deadline, flip):
     key = Tenant.derive(private(), FP_A).namespace_key
-    cred = make_credential(key, rid, deadline)
-    check_credential(key, rid, deadline, cred, now=deadline)
+    cred = make_credential(key, rid, deadline, C)
+    check_credential(key, rid, deadline, cred, content=C, now=deadline)
     bad = bytearray(cred)
     bad[flip // 8] ^= 1 << (flip % 8)
     with pytest.raises(ForgedCredential):
-        check_credential(key, rid, deadline, bytes(bad), now=deadline)
+        check_credential(key, rid, deadline, bytes(bad), content=C, now=deadline)
 
 
 def test_credential_binds_request_id_length():
     # (rid, deadline) framing is unambiguous: a longer id cannot absorb deadline bytes
     key = Tenant.derive(private(), FP_A).namespace_key
-    assert make_credential(key, b"ab", 1.0) != make_credential(key, b"a", 1.0)
-    assert make_credential(key, RID, 5) == make_credential(key, RID, 5.0)
+    assert make_credential(key, b"ab", 1.0, C) != make_credential(key, b"a", 1.0, C)
+    assert make_credential(key, RID, 5, C) == make_credential(key, RID, 5.0, C)
+
+
+def test_credential_binds_the_request_content():
+    """Issue 14, finding 3: a relay may change only the relay fields of a signed request."""
+    from dataclasses import replace
+
+    from prefixmesh.overlay.core import wire
+
+    t = Tenant.derive(private(), FP_A)
+    req = t.sign(wire.Request(id=RID, ns=t.ns_id, tokens=(1, 2, 3), deadline=NOW + 30,
+                              sampling=wire.Sampling(max_tokens=8)))
+    t.check_request(req, now=NOW)
+    hop = wire.Hop(peer=b"p" * 38, action="forward", reason="x")
+    relayed = replace(req, hop_budget=0, visited=(b"p" * 38,), trace=(hop,),
+                      holders=((b"q" * 38, 2),))
+    t.check_request(relayed, now=NOW)  # what relays legitimately change
+    rewritten = [
+        replace(req, tokens=(1, 2, 4)),
+        replace(req, messages=(wire.Message("user", "hi"),)),
+        replace(req, sampling=wire.Sampling(max_tokens=9)),
+        replace(req, sampling=wire.Sampling(max_tokens=8, temperature=1.5)),
+        replace(req, stream=False),
+        replace(req, grammar='root ::= "yes"'),
+        replace(req, logprobs=3),
+    ]
+    for bad in rewritten:
+        with pytest.raises(ForgedCredential, match="does not match the request content"):
+            t.check_request(bad, now=NOW)
+    with pytest.raises(TenantError, match="content digest"):
+        make_credential(t.namespace_key, RID, NOW, b"short")

@@ -195,9 +195,9 @@ def test_unknown_namespace_and_duplicate_ids_are_refused(tmp_path):
                 assert isinstance(err, wire.Error) and err.code == "unauthorized", err
                 tenant = await ca.tenant()
                 rid, deadline = b"2" * 16, time.time() + 10
-                req = wire.Request(id=rid, ns=tenant.ns_id, credential=tenant.credential(rid, deadline),
-                                   tokens=tuple(range(40)), deadline=deadline,
-                                   sampling=wire.Sampling(max_tokens=1))
+                req = tenant.sign(wire.Request(id=rid, ns=tenant.ns_id,
+                                               tokens=tuple(range(40)), deadline=deadline,
+                                               sampling=wire.Sampling(max_tokens=1)))
                 for expected in (wire.Tokens, wire.Error):
                     fs = FramedStream(await ca.host.open_stream(a.identity.peer_id, wire.INFER_PROTOCOL))
                     await fs.send(req)
@@ -336,9 +336,9 @@ def test_duplicate_id_at_next_hop_falls_back_instead_of_failing(tmp_path):
                 tenant = await ca.tenant()
                 prompt = await a.backend.tokenize([("system", SYSTEM), ("user", "dup")])
                 rid, deadline = b"d" * 16, time.time() + 20
-                req = wire.Request(id=rid, ns=tenant.ns_id, credential=tenant.credential(rid, deadline),
-                                   tokens=tuple(prompt), deadline=deadline,
-                                   sampling=wire.Sampling(max_tokens=2))
+                req = tenant.sign(wire.Request(id=rid, ns=tenant.ns_id,
+                                               tokens=tuple(prompt), deadline=deadline,
+                                               sampling=wire.Sampling(max_tokens=2)))
                 # B sees the id first (as if an earlier attempt had reached it)
                 first = await _raw_request(ca, b, replace(req, hop_budget=0))
                 assert isinstance(first[-1], wire.End)

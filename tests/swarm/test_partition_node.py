@@ -499,13 +499,13 @@ def test_a_forwarded_request_carries_the_lookup_answer_to_the_next_hop(tmp_path)
         rid = os.urandom(16)
         deadline = time.time() + 30
         tokens = await router.backend.tokenize(messages)
-        req = wire.Request(
-            id=rid, ns=tenant.ns_id, credential=tenant.credential(rid, deadline),
+        req = tenant.sign(wire.Request(
+            id=rid, ns=tenant.ns_id,
             tokens=tuple(tokens), sampling=wire.Sampling(max_tokens=1), deadline=deadline,
             hop_budget=2, visited=(entry,),
             trace=(wire.Hop(peer=entry, action="forward", reason="test",
                             next_peer=router.identity.peer_id),),
-            holders=holders)
+            holders=holders))
         async with Client.connect(router.full_addrs()[0]) as c:
             stream = await c.host.open_stream(c.peer, wire.INFER_PROTOCOL, 5.0)
             fs = FramedStream(stream, timeout_s=10.0)
