@@ -57,6 +57,18 @@ Errors
     route, shutting down), 504 deadline. After a stream has started, an error is sent as
     one ``data: {"error": ...}`` event and the stream ends without ``[DONE]``.
 
+Tools, structured output, logprobs
+    ``tools`` are rendered into the prompt here (:mod:`.openai_tools`: the generic template,
+    since the default model's own template has no tool support) and the answer is parsed
+    back into ``tool_calls`` (streamed as ``delta.tool_calls``, each call in two chunks:
+    id and name, then its arguments, once the call is complete). ``tool_choice``
+    ``"required"`` or a named function, and ``response_format`` ``json_object`` /
+    ``json_schema``, make a llama.cpp grammar here, at the entry node, that this node's
+    engine compiles first (a grammar it cannot compile is a 400) and that travels in the
+    REQUEST (``wire.Request.grammar``) to the serving node, whose sampler follows it.
+    ``logprobs`` come back in the TOKENS frames (``wire.Tokens.logprobs``). Routing and
+    caching do not change: the prompt (tools included) is still what is cached.
+
 The route trace of an answer is in the ``prefixmesh`` field of the response (and of the
 last stream chunks), which standard clients ignore; non-streaming answers also carry it
 compactly in the ``x-prefixmesh-route`` header.
@@ -86,7 +98,7 @@ import trio
 
 from prefixmesh.overlay.core import wire
 
-from . import ollama_api
+from . import ollama_api, openai_tools
 from .config import is_loopback_host
 from .openai_schema import (
     MAX_BODY_BYTES,
@@ -239,6 +251,8 @@ class GenerationJob:
     deadline_s: float  # relative: seconds from now
     messages: tuple[tuple[str, str], ...] = ()  # chat: rendered with the model's template
     prompt: str | None = None  # completions: raw text, tokenized as is
+    grammar: str = ""  # llama.cpp GBNF the answer must follow ("": unconstrained)
+    logprobs: int = -1  # -1: none; else alternatives per token (0..20)
 
 
 @dataclass(frozen=True)
@@ -252,6 +266,7 @@ class Started:
 class TextDelta:
     text: str
     tokens: int  # generated tokens this text stands for
+    logprobs: tuple = ()  # wire.TokenLogprob per token, when the job asked for logprobs
 
 
 @dataclass(frozen=True)
@@ -516,11 +531,13 @@ class GatewayApp:
                 req: ChatRequest | CompletionRequest = parse_chat_request(
                     obj, default_max_tokens=s.default_max_tokens)
                 job = GenerationJob(tenant=tenant, sampling=req.sampling,
-                                    deadline_s=s.deadline_s, messages=req.messages)
+                                    deadline_s=s.deadline_s, messages=req.messages,
+                                    grammar=_grammar(req), logprobs=req.logprobs)
             else:
                 req = parse_completion_request(obj, default_max_tokens=s.default_max_tokens)
                 job = GenerationJob(tenant=tenant, sampling=req.sampling,
-                                    deadline_s=s.deadline_s, prompt=req.prompt)
+                                    deadline_s=s.deadline_s, prompt=req.prompt,
+                                    logprobs=req.logprobs)
             if req.model not in self.backend.model_ids():
                 raise NotFound(f"model {req.model!r} does not exist (see GET /v1/models)",
                                param="model", code="model_not_found")
@@ -640,13 +657,17 @@ class GatewayApp:
         if raised is not None:
             raise raised
 
-    async def _run(self, job: GenerationJob, on_text: Callable[[str], Awaitable[None]]
-                   ) -> _Outcome:
-        """Run one generation, passing text (stop sequences applied) to ``on_text``."""
+    async def _run(self, job: GenerationJob, on_text: Callable[[str], Awaitable[None]],
+                   logprobs: list | None = None) -> _Outcome:
+        """Run one generation, passing text (stop sequences applied) to ``on_text``; with
+        ``logprobs`` (a list), the entries of the tokens whose text has been passed on are
+        appended to it before each ``on_text`` call (matched by UTF-8 bytes, so the tokens
+        of a stop sequence cut off here are left out)."""
         scanner = StopScanner(job.sampling.stop)
         prompt_tokens = 0
         generated = 0
         outcome: _Outcome | None = None
+        lp = _LogprobGate(logprobs)
         with trio.move_on_after(job.deadline_s + _GRACE_S) as overall:
             async with self.backend.generation(job) as events:
                 async for ev in events:
@@ -654,14 +675,17 @@ class GatewayApp:
                         prompt_tokens = ev.prompt_tokens
                     elif isinstance(ev, TextDelta):
                         generated += ev.tokens
+                        lp.add(ev.logprobs)
                         text = scanner.feed(ev.text)
                         if text:
+                            lp.release(text)
                             await on_text(text)
                         if scanner.stopped:
                             break  # leaving the context cancels the generation
                     elif isinstance(ev, Finished):
                         rest = scanner.flush()
-                        if rest:
+                        lp.release(rest, everything=True)
+                        if rest or lp.flushed:
                             await on_text(rest)
                         outcome = _Outcome(ev.finish_reason, ev.usage, ev.route)
                         break
@@ -676,20 +700,31 @@ class GatewayApp:
 
     async def _complete(self, req, job: GenerationJob, rid: str, created: int, send) -> None:
         parts: list[str] = []
+        lps: list | None = [] if job.logprobs >= 0 else None
 
         async def collect(text: str) -> None:
             parts.append(text)
 
-        out = await self._run(job, collect)
+        out = await self._run(job, collect, lps)
         text = "".join(parts)
         ext = _ext(out)
         if isinstance(req, ChatRequest):
-            body = chat_completion_object(id=rid, created=created, model=req.model, text=text,
-                                          finish_reason=out.finish_reason, usage=out.usage,
-                                          ext=ext)
+            content: str | None = text
+            calls: list[openai_tools.ToolCall] = []
+            finish = out.finish_reason
+            names = _tool_names(req)
+            if names:
+                content, found = openai_tools.parse_tool_calls(text, names)
+                calls = [openai_tools.ToolCall(_call_id(), n, a) for n, a in found]
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            body = chat_completion_object(id=rid, created=created, model=req.model,
+                                          text=content, finish_reason=finish, usage=out.usage,
+                                          ext=ext, tool_calls=calls, logprobs=lps)
         else:
             body = completion_object(id=rid, created=created, model=req.model, text=text,
-                                     finish_reason=out.finish_reason, usage=out.usage, ext=ext)
+                                     finish_reason=out.finish_reason, usage=out.usage, ext=ext,
+                                     logprobs=lps)
         extra: list[tuple[bytes, bytes]] = []
         if out.route is not None:
             extra.append((ROUTE_HEADER.encode(), _route_header(out.route)))
@@ -714,24 +749,68 @@ class GatewayApp:
             await send({"type": "http.response.body", "body": sse_event(obj),
                         "more_body": True})
 
-        def chunk(delta=None, text=None, finish=None, usage=None, ext=None, usage_chunk=False):
+        lps: list | None = [] if job.logprobs >= 0 else None
+        offset = {"chars": 0}
+
+        def take_logprobs() -> list | None:
+            if lps is None:
+                return None
+            got = list(lps)
+            lps.clear()
+            return got
+
+        def chunk(delta=None, text=None, finish=None, usage=None, ext=None, usage_chunk=False,
+                  logprobs=None):
             if chat:
                 return chat_chunk_object(
                     id=rid, created=created, model=model,
                     delta=None if usage_chunk else (delta or {}), finish_reason=finish,
-                    usage=usage, include_usage_field=req.include_usage, ext=ext)
+                    usage=usage, include_usage_field=req.include_usage, ext=ext,
+                    logprobs=logprobs)
             return completion_chunk_object(
                 id=rid, created=created, model=model, text=None if usage_chunk else (text or ""),
-                finish_reason=finish, usage=usage, ext=ext)
+                finish_reason=finish, usage=usage, ext=ext, logprobs=logprobs,
+                text_offset=offset["chars"])
 
-        async def on_text(text: str) -> None:
+        names = _tool_names(req) if chat else ()
+        parser = openai_tools.ToolStreamParser(names) if names else None
+
+        async def role() -> None:
             if chat and not state["role_sent"]:
                 state["role_sent"] = True
                 await event(chunk(delta={"role": "assistant", "content": ""}))
-            await event(chunk(delta={"content": text}, text=text))
+
+        async def emit(events: list[tuple]) -> None:
+            for ev in events:
+                await role()
+                if ev[0] == "content":
+                    if ev[1]:
+                        await event(chunk(delta={"content": ev[1]},
+                                          logprobs=take_logprobs()))
+                    continue
+                i = state.setdefault("calls", 0)
+                state["calls"] = i + 1
+                await event(chunk(delta={"tool_calls": [{
+                    "index": i, "id": _call_id(), "type": "function",
+                    "function": {"name": ev[1], "arguments": ""}}]}))
+                await event(chunk(delta={"tool_calls": [{
+                    "index": i, "function": {"arguments": ev[2]}}]},
+                    logprobs=take_logprobs()))
+
+        async def on_text(text: str) -> None:
+            if parser is not None:
+                await emit(parser.feed(text))
+                return
+            if not text and not lps:
+                return
+            await role()
+            await event(chunk(delta={"content": text}, text=text, logprobs=take_logprobs()))
+            offset["chars"] += len(text)
 
         try:
-            out = await self._run(job, on_text)
+            out = await self._run(job, on_text, lps)
+            if parser is not None:
+                await emit(parser.finish())
         except ApiError as exc:
             if not state["started"]:
                 raise
@@ -742,11 +821,63 @@ class GatewayApp:
         ext = _ext(out)
         if chat and not state["role_sent"]:
             await event(chunk(delta={"role": "assistant", "content": ""}))
-        await event(chunk(delta={}, finish=out.finish_reason, ext=ext))
+        finish = out.finish_reason
+        if state.get("calls") and finish == "stop":
+            finish = "tool_calls"
+        rest = take_logprobs()
+        await event(chunk(delta={}, finish=finish, ext=ext, logprobs=rest or None))
         if req.include_usage:
             await event(chunk(usage=out.usage, ext=ext, usage_chunk=True))
         await start()
         await send({"type": "http.response.body", "body": SSE_DONE, "more_body": False})
+
+
+def _tool_names(req: ChatRequest) -> tuple[str, ...]:
+    """The declared tools' names when the answer is to be parsed for tool calls."""
+    spec = req.tools
+    if spec is None or spec.choice == "none":
+        return ()
+    return spec.names
+
+
+def _grammar(req: ChatRequest) -> str:
+    """The llama.cpp grammar a chat request's answer must follow ("" if none)."""
+    if req.tools is not None and req.tools.constrained:
+        return openai_tools.tool_grammar(req.tools)
+    if req.response_format is not None:
+        return openai_tools.format_grammar(req.response_format)
+    return ""
+
+
+def _call_id() -> str:
+    return "call_" + os.urandom(12).hex()
+
+
+class _LogprobGate:
+    """Passes logprob entries on (to ``out``) once the text of their tokens has been
+    passed on: the text the gateway holds back or cuts (stop sequences) keeps its
+    tokens' entries back too. Matched by UTF-8 byte counts."""
+
+    def __init__(self, out: list | None):
+        self.out = out
+        self._pending: list = []
+        self._budget = 0  # bytes of released text not yet matched with entries
+        self.flushed = False  # the last release passed entries on
+
+    def add(self, entries) -> None:
+        if self.out is not None:
+            self._pending.extend(entries)
+
+    def release(self, text: str, *, everything: bool = False) -> None:
+        if self.out is None:
+            return
+        self.flushed = False
+        self._budget += len(text.encode("utf-8"))
+        while self._pending and (everything or len(self._pending[0].piece) <= self._budget):
+            e = self._pending.pop(0)
+            self._budget = max(0, self._budget - len(e.piece))
+            self.out.append(e)
+            self.flushed = True
 
 
 def _ext(out: _Outcome) -> dict[str, Any]:
@@ -874,7 +1005,8 @@ class _FrameEvents:
             self._done = True
             raise UpstreamError("the node's pipeline ended without an answer") from None
         if isinstance(frame, wire.Tokens):
-            return TextDelta(frame.text, max(1, len(frame.token_ids)))
+            n = len(frame.token_ids) or (1 if frame.text else 0)
+            return TextDelta(frame.text, n, frame.logprobs)
         if isinstance(frame, wire.Final):
             self._done = True
             self.answered = True
@@ -949,6 +1081,19 @@ class NodeGatewayBackend:
         except (BackendError, ValueError) as exc:
             raise BadRequest(f"cannot render the prompt: {exc}", code="invalid_prompt") from None
 
+    async def _check_grammar(self, grammar: str) -> None:
+        """The entry node's check of an output constraint: its own engine compiles it."""
+        check = getattr(self.backend, "check_grammar", None)
+        if check is None:
+            return
+        from prefixmesh.inference.backend import BackendError
+
+        try:
+            await check(grammar)
+        except BackendError as exc:
+            raise BadRequest(f"the output constraint cannot be compiled: {exc}",
+                             param="response_format", code="invalid_schema") from None
+
     @contextlib.asynccontextmanager
     async def generation(self, job: GenerationJob) -> AsyncIterator[AsyncIterator[GatewayEvent]]:
         tenant = self.tenants.by_name(job.tenant)
@@ -960,6 +1105,8 @@ class NodeGatewayBackend:
         if len(tokens) > wire.MAX_PROMPT_TOKENS:
             raise BadRequest(f"the prompt has {len(tokens)} tokens, more than "
                              f"{wire.MAX_PROMPT_TOKENS}", code="context_length_exceeded")
+        if job.grammar:
+            await self._check_grammar(job.grammar)
         s = job.sampling
         request_id = os.urandom(16)
         deadline = self.clock() + job.deadline_s
@@ -971,6 +1118,8 @@ class NodeGatewayBackend:
                                    top_p=float(s.top_p), seed=s.seed),
             deadline=deadline,
             hop_budget=self.hop_budget,
+            grammar=job.grammar,
+            logprobs=job.logprobs,
         ))
         send, recv = trio.open_memory_channel[Any](_EVENT_BUFFER)
         t_recv = self.infer.clock()  # the service's one clock (overlay/infer.py)

@@ -9,15 +9,22 @@ Validation is strict about what we act on and lenient about what we ignore:
 * the body must be a JSON object (UTF-8, at most :data:`MAX_BODY_BYTES`, the gateway
   enforces the size while reading) and nested at most :data:`MAX_JSON_DEPTH` levels;
 * ``model`` (string) and ``messages`` / ``prompt`` are required; roles are ``system``,
-  ``developer`` (treated as ``system``), ``user`` and ``assistant``; content is a string or
-  a list of ``{"type": "text", "text": ...}`` parts;
+  ``developer`` (treated as ``system``), ``user``, ``assistant`` (with ``tool_calls``, then
+  its content may be null) and ``tool`` (with ``tool_call_id``); content is a string or a
+  list of ``{"type": "text", "text": ...}`` parts;
+* tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) and structured output
+  (``response_format`` ``json_object`` / ``json_schema``) are parsed by
+  :mod:`.openai_tools`, which also renders tools into the prompt; ``logprobs`` (chat: a
+  boolean with ``top_logprobs`` 0..20; completions: an integer 0..20) asks for each
+  token's log probability;
 * sampling: ``max_tokens`` / ``max_completion_tokens`` (1..:data:`MAX_MAX_TOKENS`),
   ``temperature`` (0..2), ``top_p`` (0..1), ``seed`` (0..2**32-1), ``stop`` (a string or a
   list of at most :data:`MAX_STOP_SEQUENCES` non-empty strings of at most
   :data:`MAX_STOP_CHARS` characters each); ``n`` must be 1;
-* features we do not implement are refused with 400 instead of silently ignored when
-  ignoring them would change the answer (``n`` > 1, ``logprobs``, ``tools``,
-  ``response_format`` other than text, ``echo``, ``suffix``, ``best_of`` > 1);
+* features we do not implement are refused with 400 naming the parameter instead of
+  silently ignored when ignoring them would change the answer (``n`` > 1, ``functions`` /
+  ``function_call`` (use ``tools``), ``echo``, ``suffix``, ``best_of`` > 1, a JSON schema
+  keyword a grammar cannot enforce);
 * other keys (``user``, ``frequency_penalty``, ``metadata``, ...) are ignored, as many
   OpenAI-compatible servers do, so that existing clients keep working;
 * ``null`` counts as absent for optional keys.
@@ -66,6 +73,9 @@ __all__ = [
     "parse_completion_request",
     "usage_object",
     "chat_completion_object",
+    "chat_logprobs",
+    "completion_logprobs",
+    "tool_calls_object",
     "chat_chunk_object",
     "completion_object",
     "completion_chunk_object",
@@ -87,6 +97,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = 0xFFFFFFFF
 MAX_TEMPERATURE = 2.0
+MAX_TOP_LOGPROBS = 20  # overlay.core.wire.MAX_TOP_LOGPROBS
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -186,10 +197,15 @@ class SamplingOptions:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str
-    messages: tuple[tuple[str, str], ...]  # (role, content); roles normalised
+    # (role, content) for the model's template; roles normalised, tools and tool messages
+    # rendered (openai_tools.render_messages)
+    messages: tuple[tuple[str, str], ...]
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    tools: Any = None  # openai_tools.ToolSpec | None
+    response_format: Any = None  # openai_tools.ResponseFormat | None (None: text)
+    logprobs: int = -1  # -1: none; else top_logprobs (0..MAX_TOP_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,7 @@ class CompletionRequest:
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False
+    logprobs: int = -1  # -1: none; else how many alternatives per token
 
 
 @dataclass(frozen=True)
@@ -364,24 +381,7 @@ def _refuse_unsupported(obj: Mapping[str, Any], *, chat: bool) -> None:
     if n is not None and n != 1:
         raise BadRequest("'n' must be 1 (one choice per request)", param="n",
                          code="unsupported_value")
-    logprobs = _get(obj, "logprobs")
-    if logprobs not in (None, False, 0):
-        raise BadRequest("'logprobs' is not supported", param="logprobs",
-                         code="unsupported_parameter")
-    if chat:
-        for key in ("tools", "functions"):
-            v = _get(obj, key)
-            if v not in (None, []):
-                raise BadRequest(f"'{key}' is not supported", param=key,
-                                 code="unsupported_parameter")
-        rf = _get(obj, "response_format")
-        if rf is not None:
-            if not isinstance(rf, dict):
-                raise _bad_type("response_format", "an object", rf)
-            if rf.get("type", "text") != "text":
-                raise BadRequest("only response_format {\"type\": \"text\"} is supported",
-                                 param="response_format", code="unsupported_value")
-    else:
+    if not chat:
         if _bool(obj, "echo"):
             raise BadRequest("'echo' is not supported", param="echo",
                              code="unsupported_parameter")
@@ -391,6 +391,19 @@ def _refuse_unsupported(obj: Mapping[str, Any], *, chat: bool) -> None:
         best_of = _int_in(obj, "best_of", 1, 1_000_000)
         if best_of is not None and best_of != 1:
             raise BadRequest("'best_of' must be 1", param="best_of", code="unsupported_value")
+
+
+def _logprobs(obj: Mapping[str, Any], *, chat: bool) -> int:
+    """-1 (no logprobs) or how many alternatives per token to report."""
+    if not chat:
+        n = _int_in(obj, "logprobs", 0, MAX_TOP_LOGPROBS)
+        return -1 if n is None else n
+    want = _bool(obj, "logprobs")
+    top = _int_in(obj, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                         code="invalid_value")
+    return (top or 0) if want else -1
 
 
 def _sampling(obj: Mapping[str, Any], default_max_tokens: int) -> SamplingOptions:
@@ -465,24 +478,21 @@ def parse_chat_request(obj: Mapping[str, Any], *, default_max_tokens: int) -> Ch
     if len(raw_messages) > MAX_MESSAGES:
         raise BadRequest(f"'messages' has more than {MAX_MESSAGES} entries", param="messages",
                          code="invalid_value")
-    messages: list[tuple[str, str]] = []
-    for i, m in enumerate(raw_messages):
-        if not isinstance(m, dict):
-            raise _bad_type(f"messages[{i}]", "an object", m)
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise _bad_type(f"messages[{i}].role", "a string", role)
-        if role not in _ROLES:
-            raise BadRequest(
-                f"'messages[{i}].role' must be one of system, developer, user, assistant; "
-                f"got {role!r}", param=f"messages[{i}].role", code="invalid_value")
-        messages.append((_ROLES[role], _content(m, i)))
+    from . import openai_tools
+
+    msgs = [openai_tools.parse_message(m, i) for i, m in enumerate(raw_messages)]
     _refuse_unsupported(obj, chat=True)
+    tools = openai_tools.parse_tools(obj)
+    rf = openai_tools.parse_response_format(obj)
+    if rf is not None and tools is not None and tools.constrained:
+        raise BadRequest("'response_format' cannot be combined with a 'tool_choice' that "
+                         "forces a tool call", param="response_format", code="invalid_value")
     stream, include_usage = _stream_flags(obj)
     assert model is not None
-    return ChatRequest(model=model, messages=tuple(messages),
+    return ChatRequest(model=model, messages=openai_tools.render_messages(msgs, tools),
                        sampling=_sampling(obj, default_max_tokens), stream=stream,
-                       include_usage=include_usage)
+                       include_usage=include_usage, tools=tools, response_format=rf,
+                       logprobs=_logprobs(obj, chat=True))
 
 
 def parse_completion_request(obj: Mapping[str, Any], *, default_max_tokens: int
@@ -506,7 +516,7 @@ def parse_completion_request(obj: Mapping[str, Any], *, default_max_tokens: int
     assert model is not None
     return CompletionRequest(model=model, prompt=prompt,
                              sampling=_sampling(obj, default_max_tokens), stream=stream,
-                             include_usage=include_usage)
+                             include_usage=include_usage, logprobs=_logprobs(obj, chat=False))
 
 
 # --- responses --------------------------------------------------------------------------
@@ -527,9 +537,47 @@ def _with_ext(obj: dict[str, Any], ext: Mapping[str, Any] | None) -> dict[str, A
     return obj
 
 
-def chat_completion_object(*, id: str, created: int, model: str, text: str,
+def _token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", "replace")
+
+
+def chat_logprobs(entries: Sequence[Any]) -> dict[str, Any]:
+    """The ``logprobs`` object of a chat choice from per-token entries (anything with
+    ``piece`` bytes, ``logprob`` and ``top`` [(bytes, logprob)], e.g. wire.TokenLogprob)."""
+    return {"content": [{
+        "token": _token_text(e.piece), "logprob": e.logprob, "bytes": list(e.piece),
+        "top_logprobs": [{"token": _token_text(b), "logprob": lp, "bytes": list(b)}
+                         for b, lp in e.top],
+    } for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[Any], offset: int = 0) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of a completion choice (text offsets from ``offset``)."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        t = _token_text(e.piece)
+        tokens.append(t)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(b): lp for b, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def tool_calls_object(calls: Sequence[Any]) -> list[dict[str, Any]]:
+    """``message.tool_calls`` from (id, name, arguments) items (openai_tools.ToolCall)."""
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def chat_completion_object(*, id: str, created: int, model: str, text: str | None,
                            finish_reason: str, usage: Usage,
-                           ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                           ext: Mapping[str, Any] | None = None,
+                           tool_calls: Sequence[Any] = (),
+                           logprobs: Sequence[Any] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls_object(tool_calls)
     return _with_ext({
         "id": id,
         "object": "chat.completion",
@@ -537,8 +585,8 @@ def chat_completion_object(*, id: str, created: int, model: str, text: str,
         "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "message": message,
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs),
             "finish_reason": finish_reason,
         }],
         "usage": usage_object(usage),
@@ -548,7 +596,8 @@ def chat_completion_object(*, id: str, created: int, model: str, text: str,
 def chat_chunk_object(*, id: str, created: int, model: str, delta: Mapping[str, Any] | None,
                       finish_reason: str | None = None, usage: Usage | None = None,
                       include_usage_field: bool = False,
-                      ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      ext: Mapping[str, Any] | None = None,
+                      logprobs: Sequence[Any] | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk``. ``delta=None`` makes the usage chunk (no choices)."""
     obj: dict[str, Any] = {
         "id": id,
@@ -556,7 +605,9 @@ def chat_chunk_object(*, id: str, created: int, model: str, delta: Mapping[str, 
         "created": created,
         "model": model,
         "choices": [] if delta is None else [{
-            "index": 0, "delta": dict(delta), "logprobs": None, "finish_reason": finish_reason,
+            "index": 0, "delta": dict(delta),
+            "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+            "finish_reason": finish_reason,
         }],
     }
     if usage is not None:
@@ -567,13 +618,15 @@ def chat_chunk_object(*, id: str, created: int, model: str, delta: Mapping[str, 
 
 
 def completion_object(*, id: str, created: int, model: str, text: str, finish_reason: str,
-                      usage: Usage, ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      usage: Usage, ext: Mapping[str, Any] | None = None,
+                      logprobs: Sequence[Any] | None = None) -> dict[str, Any]:
     return _with_ext({
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None,
+        "choices": [{"index": 0, "text": text,
+                     "logprobs": None if logprobs is None else completion_logprobs(logprobs),
                      "finish_reason": finish_reason}],
         "usage": usage_object(usage),
     }, ext)
@@ -581,14 +634,17 @@ def completion_object(*, id: str, created: int, model: str, text: str, finish_re
 
 def completion_chunk_object(*, id: str, created: int, model: str, text: str | None,
                             finish_reason: str | None = None, usage: Usage | None = None,
-                            ext: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                            ext: Mapping[str, Any] | None = None,
+                            logprobs: Sequence[Any] | None = None,
+                            text_offset: int = 0) -> dict[str, Any]:
     """One streamed ``text_completion`` event; ``text=None`` makes the usage chunk."""
+    lp = None if logprobs is None else completion_logprobs(logprobs, text_offset)
     obj: dict[str, Any] = {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None,
+        "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": lp,
                                              "finish_reason": finish_reason}],
     }
     if usage is not None:
