@@ -134,6 +134,8 @@ class Client:
             raise ConnectFailed(f"peers query failed: {exc}") from None
         except wire.WireError as exc:
             raise ClientProtocolError(f"bad peers reply: {exc}") from None
+        if isinstance(reply, wire.Error):  # e.g. overloaded: the node's query budget
+            raise RequestFailed(reply.code, reply.message)
         if not isinstance(reply, wire.PeersReply):
             raise ClientProtocolError(f"expected PEERS_REPLY, got {type(reply).__name__}")
         self.model = reply.model

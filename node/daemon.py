@@ -88,7 +88,6 @@ from prefixmesh.overlay.events import ObserverFanout
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat
 from prefixmesh.overlay.host import (
-    FramedStream,
     HostError,
     OverlayHost,
     check_listen_addrs_free,
@@ -100,6 +99,7 @@ from prefixmesh.overlay.partgossip import PartitionGossip
 from .http_gateway import serve_node_http
 from .locks import LockError, lock_cache_dir, lock_key_file
 from .logsetup import configure_logging
+from .peers_service import PeersService
 from .requestlog import RequestLog
 from .tenants import TenantRegistry
 
@@ -401,7 +401,9 @@ class Node:
         if opts.digest and cfg.digest.partitions > 0:
             self.pd = self._partitioned_digest(now)
         self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
-        self.host.set_handler(wire.PEERS_PROTOCOL, self._handle_peers)
+        # PEERS answers share one reply a second and are rate-limited per peer
+        self.peers_service = PeersService(self.peers_reply)
+        self.host.set_handler(wire.PEERS_PROTOCOL, self.peers_service.handle)
         # one settings value for whichever digest exchange runs (overlay/digestexchange.py)
         exchange = ExchangeSettings(
             interval_s=cfg.digest.interval_s,
@@ -635,18 +637,6 @@ class Node:
             for peer in sorted(trust.peers())[:32]:
                 out[f"trust_{peer_id_to_b58(peer)[-8:]}"] = round(1000 * trust.trust(peer, mono))
         return {k[: wire.MAX_SHORT_STRING]: max(0, v) for k, v in list(out.items())[:256]}
-
-    async def _handle_peers(self, stream) -> None:
-        fs = FramedStream(stream, timeout_s=5.0)
-        try:
-            frame = await fs.receive()
-            if isinstance(frame, wire.PeersQuery):
-                await fs.send(self.peers_reply())
-        except (HostError, wire.WireError) as exc:
-            log.debug("peers query failed: %s", exc)
-        finally:
-            await fs.close()
-
 
 def run_node(config, options: NodeOptions | None = None) -> int:
     """Run a node until SIGINT/SIGTERM (the CLI's ``prefixmesh node``)."""

@@ -1,0 +1,68 @@
+"""Issue 14, adversarial suite, against a real node process: connection floods from many
+identities and a PEERS query flood (tests/adversary/sybil.py: plain py-libp2p + Noise,
+hand-built CBOR). While 260 fresh identities hold connections (more than the inbound
+share the node reserves, 256; loopback is exempt from the per-/24 cap, so all of them get
+in) and 4 identities query PEERS in a loop, an honest client sends 20
+sequential requests, each on a new connection with a fresh identity. Asserted: every
+honest request is answered, the node still accepts new connections and is alive, the
+PEERS flood is refused past its budget. Figures (printed): honest median latency
+unattacked vs attacked (same run), connections admitted/refused, PEERS replies/refusals."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import trio
+from _swarm import Swarm
+from adversary.sybil import connection_flood, peers_flood
+
+from prefixmesh.node.client import Client
+
+N_REQUESTS = 20
+N_IDENTITIES = 260
+
+
+async def _honest(addr: str) -> float:
+    t0 = time.perf_counter()
+    async with Client.connect(addr) as c:  # a fresh connection (and identity) each time
+        answer = await c.ask([("user", "hello")], max_tokens=2)
+    assert answer.final is not None and answer.final.serving is not None
+    return time.perf_counter() - t0
+
+
+def test_connection_and_peers_floods_from_many_identities(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))  # 300 attacker hosts
+    with Swarm(tmp_path) as s:
+        a = s.add("A", backend="sim")
+        figures: dict = {}
+
+        async def main():
+            quiet = [await _honest(a.addr) for _ in range(N_REQUESTS // 2)]
+            conns: dict = {}
+            peers: dict = {}
+            async with trio.open_nursery() as nursery:
+                await nursery.start(connection_flood, a.addr, N_IDENTITIES, conns)
+                nursery.start_soon(peers_flood, a.addr, 4, peers)
+                await trio.sleep(1.0)
+                attacked = [await _honest(a.addr) for _ in range(N_REQUESTS)]
+                nursery.cancel_scope.cancel()
+            t_stop = time.monotonic()
+            after = await _honest(a.addr)
+            figures.update(
+                quiet_median_s=statistics.median(quiet),
+                attacked_median_s=statistics.median(attacked),
+                after_s=after, recovered_within_s=time.monotonic() - t_stop,
+                connections=conns, peers_flood=peers)
+
+        trio.run(main)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        print("sybil figures:", figures)
+        assert a.proc.poll() is None, a.log_tail()
+        assert "internal error" not in a.log_tail(20000)
+        assert figures["connections"]["connected"] + figures["connections"]["refused"] == \
+            N_IDENTITIES
+        flood = figures["peers_flood"]
+        assert flood["refusals"] > 0 and flood["replies"] > 0, flood
