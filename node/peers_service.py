@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 #: how long one built reply is reused: `prefixmesh peers` and the dashboard poll every
 #: few seconds, and a second-old view of the mesh is as good as a fresh one
 REPLY_REUSE_S = 1.0
-#: queries one peer may send per second once its burst is spent (a watching operator
-#: polls every 2 s; tests and scripts ask a few times in a row)
-QUERY_RATE_PER_S = 1.0
-QUERY_BURST = 8.0
+#: queries one peer may send per second once its burst is spent: scripts waiting for a
+#: mesh to form poll a few times a second; a flood's cost is bounded by the shared reply
+#: anyway, this keeps one peer from taking the node's upload for PEERS replies
+QUERY_RATE_PER_S = 10.0
+QUERY_BURST = 20.0
 
 
 class PeersService:
