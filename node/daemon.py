@@ -629,6 +629,8 @@ class Node:
             for k in ("records_applied", "duplicates", "gaps", "records_issued", "bytes_issued"):
                 out[f"ae_{k}"] = int(self.ae.stats[k])
         out["heartbeat_pings_answered"] = self.heartbeat.pings_answered
+        ps = self.peers_service
+        out.update(peers_answered=ps.answered, peers_refused=ps.refused, peers_built=ps.builds)
         if self.host.inbound_cap is not None:
             out["inbound_refused"] = self.host.inbound_refused
         trust = self.infer.trust
