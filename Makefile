@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.prefixmesh-installed
 
-.PHONY: all install demo test lint model bench-core clean browser natlab llama-gpu
+.PHONY: all install demo test lint model bench-core clean browser natlab llama-gpu llama-server
 
 all: test
 
@@ -68,6 +68,38 @@ llama-gpu: $(STAMP)
 	  --no-deps --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$$version"
 	$(BIN)/python -c "import llama_cpp, sys; ok = llama_cpp.llama_supports_gpu_offload(); \
 	print('llama.cpp GPU offload:', 'available' if ok else 'NOT available'); sys.exit(0 if ok else 1)"
+
+# llama-server for `prefixmesh bench engine --against-llama-server` (docs/bench/engine.md; not
+# part of CI): built from the llama.cpp source vendored in the llama-cpp-python sdist of the
+# version we run, native CPU flags, no curl/OpenSSL/web UI; only the llama-server target,
+# niced (~13 min on 2 cores). Output: .build/llama-server/build/bin/llama-server
+LLAMA_SERVER_VERSION ?= 0.3.36
+LLAMA_SERVER_DIR     := .build/llama-server
+LLAMA_SERVER_JOBS    ?= 2
+LLAMA_SERVER_BIN     := $(LLAMA_SERVER_DIR)/build/bin/llama-server
+llama-server: $(LLAMA_SERVER_BIN)
+	@echo "llama-server: $(LLAMA_SERVER_BIN)"
+
+$(LLAMA_SERVER_BIN):
+	@command -v cmake >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends cmake build-essential; } || \
+	{ echo "llama-server needs cmake and a C++ compiler (apt-get install cmake build-essential)"; \
+	  exit 1; }
+	mkdir -p $(LLAMA_SERVER_DIR)
+	@sdist=$(LLAMA_SERVER_DIR)/llama_cpp_python-$(LLAMA_SERVER_VERSION).tar.gz; \
+	test -f $$sdist || { py=$$([ -x $(BIN)/python ] && echo $(BIN)/python || echo $(PYTHON)); \
+	  $$py -m pip download --no-binary :all: --no-deps \
+	    "llama-cpp-python==$(LLAMA_SERVER_VERSION)" -d $(LLAMA_SERVER_DIR); }; \
+	rm -rf $(LLAMA_SERVER_DIR)/src && mkdir -p $(LLAMA_SERVER_DIR)/src && \
+	tar -xzf $$sdist -C $(LLAMA_SERVER_DIR)/src --strip-components=1
+	nice -n 19 cmake -S $(LLAMA_SERVER_DIR)/src/vendor/llama.cpp -B $(LLAMA_SERVER_DIR)/build \
+	  -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+	  -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF
+	nice -n 19 cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server \
+	  -j$(LLAMA_SERVER_JOBS)
+	$(LLAMA_SERVER_BIN) --version
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
