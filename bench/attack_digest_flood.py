@@ -2,14 +2,15 @@
 
     .venv/bin/python bench/attack_digest_flood.py [--pythonpath DIR] [--window 30]
 
-Starts ``prefixmesh.node.daemon --backend sim`` (from ``DIR/prefixmesh`` if
-``--pythonpath`` is given: e.g. an older commit unpacked with ``git archive C | tar -x -C
-DIR/prefixmesh``), sends 20 honest requests (each on a new connection), then runs the
-outside attacker of ``tests/adversary/digest_flood.py`` (1,100 fresh-identity snapshot
-records naming 127.0.0.2..9, twice) during 20 more, counts TCP connections at those
-addresses for ``--window`` seconds, and prints one line of figures (JSON). The test
-``tests/swarm/test_attack_digest_flood.py`` asserts the bounds on the current tree; this script
-gives the before/after comparison in docs/SECURITY.md (D19).
+Starts one node with the simulated engine (``prefixmesh.bench.node_entry --config FILE
+--backend sim``; with ``--pythonpath DIR``, the tree in ``DIR/prefixmesh``, e.g. an older
+commit unpacked with ``git archive C | tar -x -C DIR/prefixmesh``, through that tree's own
+``python -m prefixmesh.node.daemon`` flags), sends 20 honest requests (each on a new
+connection), then runs the outside attacker of ``tests/adversary/digest_flood.py`` (1,100
+fresh-identity snapshot records naming 127.0.0.2..9, twice) during 20 more, counts TCP
+connections at those addresses for ``--window`` seconds, and prints one line of figures
+(JSON). The test ``tests/swarm/test_attack_digest_flood.py`` asserts the bounds on the
+current tree; this script gives the before/after comparison in docs/SECURITY.md (D19).
 """
 
 from __future__ import annotations
@@ -51,10 +52,20 @@ def start_node(pythonpath: str | None) -> tuple[subprocess.Popen, str, Path]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    if pythonpath:  # an older tree: its own entry point and flags (the before/after figures)
+        cmd = [sys.executable, "-m", "prefixmesh.node.daemon", "--listen", "/ip4/127.0.0.1/tcp/0",
+               "--key", str(root / "node.key"), "--cache-dir", str(root / "cache"),
+               "--backend", "sim", "--no-dht", "-v"]
+    else:  # this tree: from a config file, like `prefixmesh node --config FILE`
+        from prefixmesh.bench.node_entry import write_config  # noqa: PLC0415
+
+        config = write_config(root / "node.toml", {"node": {
+            "key_file": str(root / "node.key"), "cache_dir": str(root / "cache"),
+            "mdns": False, "log_level": "info"}})
+        cmd = [sys.executable, "-m", "prefixmesh.bench.node_entry", "--config", str(config),
+               "--backend", "sim", "--no-dht"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixmesh.node.daemon", "--listen", "/ip4/127.0.0.1/tcp/0",
-         "--key", str(root / "node.key"), "--cache-dir", str(root / "cache"),
-         "--backend", "sim", "--no-dht", "-v"],
+        cmd,
         stdout=subprocess.PIPE, stderr=open(root / "node.log", "wb"), text=True, env=env,
         cwd=tempfile.gettempdir())
     addr = ""

@@ -53,6 +53,8 @@ from prefixmesh.node.config import load_config
 from prefixmesh.node.daemon import Node, NodeOptions
 from prefixmesh.overlay.core.identity import Identity, peer_id_from_b58
 
+from .node_entry import write_config
+
 
 def _pct(values, q):
     s = sorted(values)
@@ -62,10 +64,14 @@ def _pct(values, q):
 # --- hop latency (processes) ------------------------------------------------------------
 
 
-def _start(args, tmp: Path, name: str):
-    cmd = [sys.executable, "-m", "prefixmesh.node.daemon", "--listen", "/ip4/127.0.0.1/tcp/0",
-           "--key", str(tmp / f"{name}.key"), "--cache-dir", str(tmp / name), "--backend", "sim",
-           "--no-dht", *args]
+def _start(args, tmp: Path, name: str, bootstrap: tuple[str, ...] = ()):
+    """A simulated-engine node process from its config file (``bench/node_entry.py``);
+    ``args``: harness switches."""
+    config = write_config(tmp / f"{name}.toml", {"node": {
+        "key_file": str(tmp / f"{name}.key"), "cache_dir": str(tmp / name), "mdns": False,
+        "bootstrap": list(bootstrap), "log_level": "warning"}})
+    cmd = [sys.executable, "-m", "prefixmesh.bench.node_entry", "--config", str(config),
+           "--backend", "sim", "--no-dht", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     addrs: list[str] = []
     ready = threading.Event()
@@ -87,7 +93,7 @@ def bench_hop(requests: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         x, x_addr = _start(["--sim-prefill-tps", "0"], tmp, "X")
-        a, a_addr = _start(["--sim-prefill-tps", "400", "--bootstrap", x_addr], tmp, "A")
+        a, a_addr = _start(["--sim-prefill-tps", "400"], tmp, "A", (x_addr,))
         try:
             return trio.run(_hop_main, a_addr, x_addr, requests)
         finally:

@@ -31,7 +31,7 @@ Per-link delay
     loopback. netem delays every packet on lo, so a round trip between two nodes costs
     2 x D. Needs root, ``ip`` and the kernel's ``sch_netem``; without a namespace the run
     falls back to the host loopback. Without netem every node process delays each frame
-    it sends by D in the application instead (``PREFIXMESH_LINK_DELAY_MS``,
+    it sends by D in the application instead (``bench/node_entry.py --link-delay-ms``,
     ``overlay.host.set_link_delay``): the same 2 x D between nodes for requests, answers,
     heartbeats and digests, but not for libp2p's own handshake bytes, and node-to-client
     answers are delayed by D too (equal for every policy). Either way the output says
@@ -198,35 +198,35 @@ def build_trace(cfg: SwarmBenchConfig) -> Trace:
 
 
 class NodeProcess:
-    """One ``python -m prefixmesh.bench.node_entry`` process (the daemon, baselines
-    allowed) with its own key and cache folder."""
+    """One ``python -m prefixmesh.bench.node_entry`` process (the daemon's ``run_node``
+    from a config file, like ``prefixmesh node --config FILE``; baselines allowed) with
+    its own config, key and cache folder."""
 
     def __init__(self, root: Path, index: int, cfg: SwarmBenchConfig, policy: str,
-                 model_path: Path, bootstrap: Sequence[str] = ()):
+                 model_path: Path, bootstrap: Sequence[str] = (), *,
+                 link_delay_ms: float = 0.0):
+        from .node_entry import write_config  # noqa: PLC0415
+
         self.index = index
         self.root = root / f"node{index}"
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_path = self.root / "node.log"
+        config = write_config(self.root / "node.toml", {
+            "node": {"listen": "/ip4/127.0.0.1/tcp/0", "key_file": str(self.root / "node.key"),
+                     "cache_dir": str(self.root / "cache"), "ram_budget": cfg.ram_budget,
+                     "disk_budget": cfg.disk_budget, "bootstrap": list(bootstrap),
+                     "mdns": False, "log_level": "info"},
+            "model": {"path": str(model_path), "n_ctx": cfg.n_ctx, "n_threads": cfg.n_threads},
+            "routing": {"hop_budget": cfg.hop_budget},
+            "digest": {"interval_s": cfg.digest_interval_s},
+        })
         self.args = [
             # the bench entry point: it lets --policy name a baseline (bench/policies.py)
-            sys.executable, "-m", "prefixmesh.bench.node_entry",
-            "--listen", "/ip4/127.0.0.1/tcp/0",
-            "--key", str(self.root / "node.key"),
-            "--cache-dir", str(self.root / "cache"),
-            "--model", str(model_path),
-            "--n-ctx", str(cfg.n_ctx),
-            "--n-threads", str(cfg.n_threads),
-            "--ram-budget", cfg.ram_budget,
-            "--disk-budget", cfg.disk_budget,
-            "--policy", policy,
-            "--hop-budget", str(cfg.hop_budget),
-            "--digest-interval", str(cfg.digest_interval_s),
-            "--seed", str(index),
-            "--no-dht",
-            "-v",
-        ]  # fmt: skip
-        for b in bootstrap:
-            self.args += ["--bootstrap", b]
+            sys.executable, "-m", "prefixmesh.bench.node_entry", "--config", str(config),
+            "--policy", policy, "--seed", str(index), "--no-dht",
+        ]
+        if link_delay_ms:
+            self.args += ["--link-delay-ms", str(link_delay_ms)]
         self.proc: subprocess.Popen | None = None
         self.addrs: list[str] = []
 
@@ -408,18 +408,21 @@ async def _replay(addrs: Sequence[str], trace: Sequence[TraceRequest],
 
 
 def run_policy(cfg: SwarmBenchConfig, policy: str, trace: Sequence[TraceRequest],
-               root: Path, model_path: Path) -> dict[str, Any]:
-    """Fresh nodes (fresh caches) for ``policy``; replay ``trace``; stop the nodes."""
+               root: Path, model_path: Path, *, link_delay_ms: float = 0.0) -> dict[str, Any]:
+    """Fresh nodes (fresh caches) for ``policy``; replay ``trace``; stop the nodes
+    (``link_delay_ms``: each node's application-level frame delay, without netem)."""
     import trio  # noqa: PLC0415
 
     root.mkdir(parents=True, exist_ok=True)
     nodes: list[NodeProcess] = []
     t0 = time.monotonic()
     try:
-        first = NodeProcess(root, 0, cfg, policy, model_path).start()
+        first = NodeProcess(root, 0, cfg, policy, model_path,
+                            link_delay_ms=link_delay_ms).start()
         nodes.append(first)
         for i in range(1, cfg.nodes):
-            nodes.append(NodeProcess(root, i, cfg, policy, model_path, [first.addr]).start())
+            nodes.append(NodeProcess(root, i, cfg, policy, model_path, [first.addr],
+                                     link_delay_ms=link_delay_ms).start())
         startup_s = time.monotonic() - t0
         records, meta = trio.run(_replay, [nd.addr for nd in nodes], trace, cfg)
     finally:
@@ -518,13 +521,12 @@ def _run_inner(spec_path: Path, out_path: Path) -> int:
         raise SwarmBenchError(f"default model not fetched ({model_path}): "
                               "run `prefixmesh model fetch` first")
     root = Path(spec["root"])
-    if spec.get("app_delay_ms"):
-        os.environ["PREFIXMESH_LINK_DELAY_MS"] = str(spec["app_delay_ms"])  # node processes
     results = []
     for policy in cfg.policies:
         print(f"bench swarm: policy {policy}: starting {cfg.nodes} nodes", file=sys.stderr,
               flush=True)
-        res = run_policy(cfg, policy, trace, root / policy, model_path)
+        res = run_policy(cfg, policy, trace, root / policy, model_path,
+                         link_delay_ms=float(spec.get("app_delay_ms") or 0.0))
         print(f"bench swarm: policy {policy}: {res['ok']}/{res['requests']} ok, "
               f"TTFT mean {res['ttft_mean_s']:.3f} s, hit {res['token_hit_ratio']:.3f}",
               file=sys.stderr, flush=True)

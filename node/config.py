@@ -38,8 +38,13 @@ Sections and keys (defaults in parentheses; see ``examples/volunteer-node.toml``
     node liveness is the heartbeats' job, not the digests').
 ``[routing]``
     ``policy`` ("prefixmesh"), ``deadline_s`` (default request deadline, 60), ``hop_budget``
-    (2); every other key must be a field of ``overlay.routing.RoutingConfig`` and have the
-    type of its default.
+    (2); ``share_cap`` (false): no peer gets more than half of this node's last 100 forwards
+    (``overlay.core.limits.ForwardShareLimiter``; off by default because in swarms of 2-3
+    nodes it halves legitimate forwarding); ``spot_check_fraction`` (0.0, 0..1): that
+    fraction of the forwarded greedy requests a peer answered in full is re-executed here
+    afterwards and compared, a mismatch lowers the peer's trust (``overlay.core.trust``).
+    Every other key must be a field of ``overlay.routing.RoutingConfig`` and have the type
+    of its default.
 ``[limits]`` (per-peer input limits; each peer has its own token bucket)
     ``peer_request_rate`` (50.0 inference requests/s) and ``peer_request_burst`` (100): what
     one peer may send on ``/prefixmesh/infer``; ``max_peers_per_subnet`` (4; 0 = no cap):
@@ -561,6 +566,13 @@ class RoutingSection:
     deadline_s: float = _f(60.0, check=_float(0.0, 3600.0, lo_open=True),
                            doc="default request deadline")
     hop_budget: int = _f(2, check=_int(0, 16), doc="most forwarding hops per request")
+    # off by default: in swarms of 2-3 nodes the cap halves legitimate forwarding
+    share_cap: bool = _f(False, check=_bool,
+                         doc="no peer gets more than half of this node's last 100 forwards "
+                             "(overlay/core/limits.py ForwardShareLimiter)")
+    spot_check_fraction: float = _f(0.0, check=_float(0.0, 1.0),
+                                    doc="re-execute this fraction of forwarded greedy answers "
+                                        "here and compare (0 = off; overlay/core/trust.py)")
     # RoutingConfig overrides; filled from the keys of [routing] that are RoutingConfig fields
     knobs: dict[str, Any] = field(default_factory=dict, metadata={"knobs": True})
 

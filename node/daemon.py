@@ -36,29 +36,22 @@ written to a temporary name, fsynced and renamed, and the next start deletes lef
 temporary files, so a flush cut short only loses the states it had not written yet. A
 second SIGINT/SIGTERM exits at once (status 130).
 
-Spot checks (``--spot-check FRACTION``, ``NodeOptions.spot_check_fraction``, default 0):
-that fraction of the forwarded greedy requests a peer answered in full is re-executed here
-after the answer was delivered, one at a time; a mismatch lowers the peer's trust and is
-logged with evidence (``spot check MISMATCH``). Counters are in ``stats``
-(``infer_spot_*``) and per-peer trust in per-mille as ``trust_<last 8 chars of peer id>``.
+Spot checks (``[routing].spot_check_fraction``, default 0): that fraction of the forwarded
+greedy requests a peer answered in full is re-executed here after the answer was
+delivered, one at a time; a mismatch lowers the peer's trust and is logged with evidence
+(``spot check MISMATCH``). Counters are in ``stats`` (``infer_spot_*``) and per-peer trust
+in per-mille as ``trust_<last 8 chars of peer id>``. The forwarded-share cap
+(``[routing].share_cap``, default off): ``overlay.core.limits.ForwardShareLimiter``.
 
-Test-only fault injection (a node that lies about its cache or alters its tokens) is not
-here: the test-only entry point ``tests/_fault_node.py`` wraps the engine in a misbehaving
-Backend.
-
-Benchmark-only link delay: ``PREFIXMESH_LINK_DELAY_MS`` (0-10,000) delays every frame the
-process sends by that many milliseconds (``overlay.host.set_link_delay``); ``prefixmesh
-bench swarm`` uses it where the kernel has no netem.
-
-Run as a process for tests/scripts (the CLI's ``prefixmesh node`` calls :func:`run_node`)::
-
-    python -m prefixmesh.node.daemon --listen /ip4/127.0.0.1/tcp/0 --bootstrap ADDR \\
-        --key PATH --cache-dir DIR [--no-digest] [--no-dht] [--mdns] [--backend sim]
+Start: ``prefixmesh node --config FILE`` (``prefixmesh/cli.py``) loads the config and calls
+:func:`run_node`; so do the benchmark and test entry points (``bench/node_entry.py``,
+``tests/_fault_node.py``), with a config file too, adding only harness switches
+(:class:`NodeOptions`: a simulated engine, a baseline policy, a benchmark link delay,
+test-only fault injection that wraps the engine in a misbehaving Backend).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -103,7 +96,7 @@ from .peers_service import PeersService
 from .requestlog import RequestLog
 from .tenants import TenantRegistry
 
-__all__ = ["NodeOptions", "Node", "run_node", "main"]
+__all__ = ["NodeOptions", "Node", "run_node"]
 
 log = logging.getLogger("prefixmesh.node")
 
@@ -137,7 +130,8 @@ def _start_exit_watchdog(armed: threading.Event, budget_s: float) -> None:
 
 @dataclass
 class NodeOptions:
-    """Settings that are not (yet) part of the config file."""
+    """Harness switches of tests and benchmarks, not operator settings (those are all in
+    the config file, ``node/config.py``); ``prefixmesh node`` uses the defaults."""
 
     digest: bool = True  # run the digest exchange (off: no peer knows our cache)
     dht: bool = True  # Kademlia DHT discovery
@@ -147,9 +141,7 @@ class NodeOptions:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 1.5
     print_addrs: bool = True
-    seed: int | None = None  # gossip peer choice (None: random)
-    share_cap: bool = False  # overlay.trust.ForwardShareLimiter on forwards (see infer.py)
-    spot_check_fraction: float = 0.0  # forwarded greedy requests re-executed here (trust.py)
+    seed: int | None = None  # gossip peer choice and spot-check draws (None: random)
 
 
 def _load_or_create_identity(path: Path) -> Identity:
@@ -280,11 +272,10 @@ class Node:
                 max_peers_per_subnet=config.limits.max_peers_per_subnet,
             ),
             trust=TrustTracker(),
-            share_limiter=ForwardShareLimiter() if self.options.share_cap else None,
+            share_limiter=ForwardShareLimiter() if rc.share_cap else None,
             spot_checker=(
-                SpotChecker(random.Random(self.options.seed),
-                            fraction=self.options.spot_check_fraction)
-                if self.options.spot_check_fraction > 0 else None
+                SpotChecker(random.Random(self.options.seed), fraction=rc.spot_check_fraction)
+                if rc.spot_check_fraction > 0 else None
             ),
             observer=self.observers,
         )
@@ -684,87 +675,3 @@ def run_node(config, options: NodeOptions | None = None) -> int:
         took = time.monotonic() - node._stop_t0 if node._stop_t0 is not None else 0.0
         _exit_now(0, f"stopped in {took:.2f} s", logging.INFO)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .config import load_config
-
-    p = argparse.ArgumentParser(prog="python -m prefixmesh.node.daemon",
-                                description="run a prefixmesh node (test/script entry point)")
-    p.add_argument("--config", help="TOML config file")
-    p.add_argument("--listen")
-    p.add_argument("--bootstrap", action="append")
-    p.add_argument("--key", help="identity key file (created if missing)")
-    p.add_argument("--cache-dir")
-    p.add_argument("--model")
-    p.add_argument("--n-ctx", type=int)
-    p.add_argument("--n-threads", type=int)
-    p.add_argument("--ram-budget")
-    p.add_argument("--disk-budget")
-    p.add_argument("--policy")
-    p.add_argument("--hop-budget", type=int)
-    p.add_argument("--digest-interval", type=float)
-    p.add_argument("--fanout", type=int)
-    p.add_argument("--mdns", action="store_true", help="enable mDNS (default off here)")
-    p.add_argument("--no-digest", action="store_true")
-    p.add_argument("--no-dht", action="store_true")
-    p.add_argument("--backend", choices=("llama", "sim"), default="llama")
-    p.add_argument("--sim-prefill-tps", type=float, default=0.0)
-    p.add_argument("--sim-decode-tps", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--share-cap", action="store_true",
-                   help="cap any one peer's share of this node's forwards (trust.py)")
-    p.add_argument("--spot-check", type=float, default=0.0, metavar="FRACTION",
-                   help="re-execute this fraction of forwarded greedy requests (trust.py)")
-    p.add_argument("-v", "--verbose", action="count", default=0)
-    p.add_argument("--log-level", help="error | warning | info | debug (wins over -v)")
-    p.add_argument("--log-format", help="text | json")
-    a = p.parse_args(argv)
-    overrides = {
-        "node.listen": a.listen,
-        "node.bootstrap": a.bootstrap,
-        "node.key_file": a.key,
-        "node.cache_dir": a.cache_dir,
-        "node.mdns": bool(a.mdns),
-        "node.ram_budget": a.ram_budget,
-        "node.disk_budget": a.disk_budget,
-        "node.log_level": a.log_level or (
-            "debug" if a.verbose > 1 else ("info" if a.verbose else "warning")),
-        "node.log_format": a.log_format,
-        "model.path": a.model,
-        "model.n_ctx": a.n_ctx,
-        "model.n_threads": a.n_threads,
-        "routing.policy": a.policy,
-        "routing.hop_budget": a.hop_budget,
-        "digest.interval_s": a.digest_interval,
-        "digest.fanout": a.fanout,
-    }
-    config = load_config(a.config, overrides)
-    options = NodeOptions(
-        digest=not a.no_digest,
-        dht=not a.no_dht,
-        backend=a.backend,
-        sim_prefill_tps=a.sim_prefill_tps,
-        sim_decode_tps=a.sim_decode_tps,
-        seed=a.seed,
-        share_cap=a.share_cap,
-        spot_check_fraction=a.spot_check,
-    )
-    delay_ms = os.environ.get("PREFIXMESH_LINK_DELAY_MS", "")
-    if delay_ms:
-        from prefixmesh.overlay.host import set_link_delay  # noqa: PLC0415
-
-        try:
-            set_link_delay(float(delay_ms) / 1000.0)
-        except ValueError as exc:
-            print(f"error: PREFIXMESH_LINK_DELAY_MS={delay_ms!r}: {exc}", file=sys.stderr)
-            return 2
-        log.warning("BENCHMARK-ONLY LINK DELAY ACTIVE: %s ms per frame sent", delay_ms)
-    with contextlib.suppress(KeyboardInterrupt):
-        return run_node(config, options)
-    return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())

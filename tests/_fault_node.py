@@ -1,9 +1,10 @@
-"""Test-only node entry point: ``python tests/_fault_node.py <prefixmesh node flags>``.
+"""Test-only node entry point: ``python tests/_fault_node.py --config FILE [harness flags]``.
 
-Runs :func:`prefixmesh.node.daemon.main` unchanged, except that the environment variable
-``PREFIXMESH_FAULT`` wraps the engine in a misbehaving Backend, so that swarm tests can
-show the defences work (``tests/_swarm.py`` starts every node through this file). Fault
-injection lives with the tests that need it, not in the serving path:
+Starts a node exactly as the benchmark entry point does (``bench/node_entry.py``: the
+config file, then the daemon's ``run_node``, the same harness flags), except that the
+environment variable ``PREFIXMESH_FAULT`` wraps the engine in a misbehaving Backend, so
+that swarm tests can show the defences work (``tests/_swarm.py`` starts every node through
+this file). Fault injection lives with the tests that need it, not in the serving path:
 
 - ``wrong-tokens``: :class:`WrongTokensBackend` ("#" before every chunk, token ids + 1);
 - ``lie-digest``: :class:`LieDigestBackend`: the node advertises in its digest the block
@@ -19,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+from prefixmesh.bench import node_entry
 from prefixmesh.inference.backend import CacheEvent, TokenChunk
 from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
 from prefixmesh.node import daemon
@@ -81,7 +83,7 @@ def load_prompts(path: str) -> tuple:
                  for msgs in json.loads(Path(path).read_text()))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     fault = os.environ.get("PREFIXMESH_FAULT", "")
     make = daemon._make_backend
     if fault == "wrong-tokens":
@@ -94,7 +96,7 @@ def main() -> int:
         raise SystemExit(f"_fault_node.py: unknown PREFIXMESH_FAULT {fault!r}")
     if fault:
         daemon.log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", fault)
-    return daemon.main()
+    return node_entry.main(argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Test helper: real node processes on 127.0.0.1 (``python -m prefixmesh.node.daemon``).
+"""Test helper: real node processes on 127.0.0.1, each started like ``prefixmesh node
+--config FILE``: a TOML config per node (``<root>/<name>/swarm.toml``), run by the test-only
+entry point ``tests/_fault_node.py`` (``bench/node_entry.py`` plus fault injection).
 
-Not a test module. Each :class:`NodeProc` is one daemon process with its own key, cache
+Not a test module. Each :class:`NodeProc` is one node process with its own key, cache
 dir and log file; it is started, read for its printed multiaddrs (up to ``ready``), and
 always killed at the end (``Swarm`` is a context manager).
 """
@@ -14,10 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import trio
 
+from prefixmesh.bench.node_entry import write_config
 from prefixmesh.node.client import Client
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.identity import peer_id_from_b58
@@ -29,6 +33,63 @@ except ImportError:  # pragma: no cover - running from another directory
 
 START_TIMEOUT_S = 90.0
 
+# ``extra`` items that set config keys: flag -> (key, type); a None type is a switch (true)
+_EXTRA_KEYS = {
+    "--listen": ("node.listen", str), "--key": ("node.key_file", str),
+    "--cache-dir": ("node.cache_dir", str), "--ram-budget": ("node.ram_budget", str),
+    "--disk-budget": ("node.disk_budget", str), "--log-level": ("node.log_level", str),
+    "--log-format": ("node.log_format", str), "--model": ("model.path", str),
+    "--n-ctx": ("model.n_ctx", int), "--n-threads": ("model.n_threads", int),
+    "--policy": ("routing.policy", str), "--hop-budget": ("routing.hop_budget", int),
+    "--digest-interval": ("digest.interval_s", float), "--fanout": ("digest.fanout", int),
+    "--spot-check": ("routing.spot_check_fraction", float),
+    "--share-cap": ("routing.share_cap", None), "--mdns": ("node.mdns", None),
+}
+# ``extra`` items passed on to the entry point (harness switches, bench/node_entry.py)
+_ENTRY_FLAGS = {"--sim-prefill-tps": 1, "--sim-decode-tps": 1, "--seed": 1, "--backend": 1,
+                "--no-digest": 0, "--no-dht": 0, "--link-delay-ms": 1}
+_PATH_KEYS = {("node", "key_file"), ("node", "cache_dir"), ("model", "path")}
+
+
+def _file_tables(path: Path) -> dict:
+    """A ``--config`` file's tables, relative paths made absolute (against its folder)."""
+    doc = tomllib.loads(path.read_text())
+    for section, key in _PATH_KEYS:
+        value = doc.get(section, {}).get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            doc[section][key] = str(path.parent / value)
+    for spec in doc.get("tenants", {}).values():
+        value = spec.get("secret_file") if isinstance(spec, dict) else None
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute():
+            spec["secret_file"] = str(path.parent / value)
+    return doc
+
+
+def _apply_extra(doc: dict, entry: list[str], extra: list[str]) -> None:
+    """``extra``: ``--config FILE`` (its tables under ours), config flags (over ours) and
+    entry-point switches (appended to ``entry``). Unknown items are an error."""
+    items, keys = list(extra), {}
+    while items:
+        flag = items.pop(0)
+        if flag == "--config":
+            base = _file_tables(Path(items.pop(0)))
+            for section, table in doc.items():
+                base.setdefault(section, {}).update(table)
+            doc.clear()
+            doc.update(base)
+        elif flag == "--bootstrap":
+            doc["node"].setdefault("bootstrap", []).append(items.pop(0))
+        elif flag in _EXTRA_KEYS:
+            key, kind = _EXTRA_KEYS[flag]
+            keys[key] = True if kind is None else kind(items.pop(0))
+        elif flag in _ENTRY_FLAGS:
+            entry += [flag, *[items.pop(0) for _ in range(_ENTRY_FLAGS[flag])]]
+        else:
+            raise ValueError(f"_swarm.NodeProc: unknown extra item {flag!r}")
+    for key, value in keys.items():
+        section, _, name = key.partition(".")
+        doc.setdefault(section, {})[name] = value
+
 
 class NodeProc:
     def __init__(self, root: Path, name: str, *, bootstrap: list[str] = (), digest: bool = True,
@@ -39,28 +100,28 @@ class NodeProc:
         self.root.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log_path = self.root / "node.log"
-        # the daemon's main, through the test-only entry that injects PREFIXMESH_FAULT
-        args = [sys.executable, str(Path(__file__).with_name("_fault_node.py")),
-                "--listen", listen,
-                "--key", str(self.root / "node.key"),
-                "--cache-dir", str(self.root / "cache"),
-                "--backend", backend,
-                "--digest-interval", str(digest_interval),
-                "--seed", str(abs(hash(name)) % 10_000),
-                "-v"]
+        doc: dict = {
+            "node": {"listen": listen, "key_file": str(self.root / "node.key"),
+                     "cache_dir": str(self.root / "cache"), "mdns": mdns, "log_level": "info"},
+            "digest": {"interval_s": digest_interval},
+        }
+        if bootstrap:
+            doc["node"]["bootstrap"] = list(bootstrap)
         if backend == "llama":
-            args += ["--model", str(default_model_path()), "--n-ctx", str(n_ctx),
-                     "--n-threads", str(TEST_THREADS), "--disk-budget", "64MiB",
-                     "--ram-budget", "256MiB"]
-        for b in bootstrap:
-            args += ["--bootstrap", b]
+            doc["node"].update(disk_budget="64MiB", ram_budget="256MiB")
+            doc["model"] = {"path": str(default_model_path()), "n_ctx": n_ctx,
+                            "n_threads": TEST_THREADS}
+        entry = ["--backend", backend, "--seed", str(abs(hash(name)) % 10_000)]
         if not digest:
-            args.append("--no-digest")
+            entry.append("--no-digest")
         if not dht:
-            args.append("--no-dht")
-        if mdns:
-            args.append("--mdns")
-        args += list(extra)
+            entry.append("--no-dht")
+        _apply_extra(doc, entry, list(extra))
+        self.config_path = write_config(self.root / "swarm.toml", doc)
+        # the node's start as `prefixmesh node --config FILE` does it, through the test-only
+        # entry that injects PREFIXMESH_FAULT
+        args = [sys.executable, str(Path(__file__).with_name("_fault_node.py")),
+                "--config", str(self.config_path), *entry]
         if netns:
             args = ["ip", "netns", "exec", netns, *args]
         self.args = args

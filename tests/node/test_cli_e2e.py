@@ -1,6 +1,7 @@
-"""The CLI client commands end to end: a real daemon process (simulated engine, no model)
-on 127.0.0.1, and ``prefixmesh ask/peers/chat`` as separate processes (chat under a
-pseudo-terminal, so Ctrl-C is a real SIGINT from the terminal driver)."""
+"""The CLI client commands end to end: a real node process (simulated engine, no model;
+started from a config file by the test entry point ``tests/_fault_node.py``) on 127.0.0.1,
+and ``prefixmesh ask/peers/chat`` as separate processes (chat under a pseudo-terminal, so
+Ctrl-C is a real SIGINT from the terminal driver)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ STARTUP_TIMEOUT_S = 60.0
 @pytest.fixture(scope="module")
 def node_addr(tmp_path_factory):
     work: Path = tmp_path_factory.mktemp("e2e")
+    config = work / "node.toml"
+    config.write_text(f'[node]\nkey_file = "{work / "node.key"}"\ncache_dir = "{work / "kv"}"\n'
+                      'mdns = false\nlog_level = "warning"\n')
+    # a node started from its config file, with the simulated engine of the test entry point
     proc = subprocess.Popen(
-        [PYTHON, "-m", "prefixmesh.node.daemon", "--listen", "/ip4/127.0.0.1/tcp/0",
-         "--key", str(work / "node.key"), "--cache-dir", str(work / "kv"), "--no-dht",
-         "--backend", "sim", "--sim-decode-tps", "40"],
+        [PYTHON, str(Path(__file__).parents[1] / "_fault_node.py"), "--config", str(config),
+         "--no-dht", "--backend", "sim", "--sim-decode-tps", "40"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     addrs: list[str] = []

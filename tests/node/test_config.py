@@ -529,3 +529,24 @@ def test_engine_keys_reach_the_engine(tmp_path):
 def test_bad_engine_keys_are_named(tmp_path, text, key):
     with pytest.raises(ConfigError, match=key):
         load_config(write(tmp_path, text))
+
+
+def test_share_cap_and_spot_checks_are_routing_keys_off_by_default(tmp_path):
+    assert (load_config().routing.share_cap, load_config().routing.spot_check_fraction) == (
+        False, 0.0)
+    cfg = load_config(write(tmp_path, "[routing]\nshare_cap = true\nspot_check_fraction = 0.25\n"))
+    assert (cfg.routing.share_cap, cfg.routing.spot_check_fraction) == (True, 0.25)
+    assert "share_cap = true" in config_to_toml(cfg)
+    assert load_config(text=config_to_toml(cfg)).routing == cfg.routing
+
+
+@pytest.mark.parametrize("text", [
+    "[routing]\nshare_cap = 1\n",
+    "[routing]\nspot_check_fraction = 1.5\n",
+    "[routing]\nspot_check_fraction = -0.1\n",
+    '[routing]\nspot_check_fraction = "often"\n',
+])
+def test_bad_share_cap_or_spot_check_values_are_named(tmp_path, text):
+    key = text.split("\n")[1].split(" =")[0]
+    with pytest.raises(ConfigError, match=rf"\[routing\]\.{key}"):
+        load_config(write(tmp_path, text))
