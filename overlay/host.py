@@ -67,10 +67,12 @@ from .core import wire
 from .core.dialing import DialGate
 from .core.digest import DigestError
 from .core.identity import Identity, peer_id_to_b58
+from .core.streamslots import frame_budget_s
 from .libp2p_guard import GuardedPeerStore, connection_config, install_guards, own_dial
 
 __all__ = [
     "HostError",
+    "FrameTimeout",
     "ListenAddrInUse",
     "check_listen_addrs_free",
     "PeerUnreachable",
@@ -147,6 +149,11 @@ class PeerTimeout(HostError):
 
 class StreamClosedError(HostError):
     """The remote end closed or reset the stream."""
+
+
+class FrameTimeout(PeerTimeout):
+    """A frame began but did not arrive complete within its whole-frame budget
+    (:func:`~.core.streamslots.frame_budget_s`): a slow or trickling peer."""
 
 
 def remote_peer(stream) -> bytes:
@@ -532,7 +539,14 @@ def set_link_delay(seconds: float) -> None:
 
 class FramedStream:
     """Reads and writes :mod:`wire` frames (or raw length-prefixed messages) on a libp2p
-    stream, every operation under a deadline."""
+    stream, every operation under a deadline.
+
+    Reads have two deadlines: ``timeout_s`` for each read (how long we wait for the next
+    frame to begin, and for each chunk), and a **whole-frame** deadline: once a frame's
+    first byte has arrived the frame must be complete within
+    :func:`~.core.streamslots.frame_budget_s` of the size its length prefix announces
+    (issue 14, finding 2: a peer trickling one byte every few seconds used to hold a
+    stream forever). Past it :class:`FrameTimeout` (a :class:`PeerTimeout`) is raised."""
 
     def __init__(self, stream, *, timeout_s: float = 10.0):
         self.stream = stream
@@ -542,6 +556,7 @@ class FramedStream:
         self._raw = bytearray()
         self.bytes_in = 0
         self.bytes_out = 0
+        self._frame_deadline: float | None = None  # trio clock; set at a frame's first byte
 
     @property
     def peer(self) -> bytes:
@@ -580,14 +595,48 @@ class FramedStream:
     async def send(self, frame: wire.Frame, timeout_s: float | None = None) -> None:
         await self.write_bytes(wire.encode_frame(frame), timeout_s)
 
+    def _frame_wait(self, buffered: bytes, max_bytes: int, timeout_s: float | None) -> float:
+        """How long the next read may wait: the per-read timeout, or less when a partial
+        frame is buffered (``buffered``: its bytes so far) and its whole-frame budget
+        runs out sooner; raises :class:`FrameTimeout` once it has."""
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        if not buffered:
+            self._frame_deadline = None
+            return wait
+        now = trio.current_time()
+        announced = (struct.unpack_from(">I", buffered)[0]
+                     if len(buffered) >= wire.LENGTH_PREFIX_BYTES else None)
+        if self._frame_deadline is None:
+            self._frame_deadline = now + frame_budget_s(announced, max_bytes)
+        left = self._frame_deadline - now
+        if left <= 0:
+            raise FrameTimeout(
+                f"frame of {announced if announced is not None else 'unknown'} bytes not "
+                f"complete within {frame_budget_s(announced, max_bytes):.1f} s "
+                f"({len(buffered)} bytes arrived)")
+        return min(wait, left)
+
+    async def _read_within(self, wait: float) -> bytes | None:
+        try:
+            return await self._read_chunk(wait)
+        except PeerTimeout:
+            if self._frame_deadline is not None and trio.current_time() >= self._frame_deadline:
+                raise FrameTimeout("frame not complete within its whole-frame budget") from None
+            raise
+
     async def receive(self, timeout_s: float | None = None) -> wire.Frame | None:
         """Next frame; None at a clean end of stream. Raises :class:`wire.WireError`
-        (malformed or truncated) or :class:`PeerTimeout`."""
+        (malformed or truncated) or :class:`PeerTimeout` (also :class:`FrameTimeout`: a
+        frame that began did not complete within its whole-frame budget)."""
         while True:
             frame = self.decoder.next_frame()
             if frame is not None:
+                self._frame_deadline = None  # what is left buffered is a new frame
                 return frame
-            data = await self._read_chunk(timeout_s)
+            # the decoder's buffer (its length prefix tells the announced size)
+            head = bytes(self.decoder._buf[: wire.LENGTH_PREFIX_BYTES])
+            wait = self._frame_wait(head, wire.MAX_FRAME_BYTES, timeout_s)
+            data = await self._read_within(wait)
             if data is None:
                 self.decoder.eof()
                 return None
@@ -612,8 +661,10 @@ class FramedStream:
                 if len(self._raw) >= 4 + length:
                     out = bytes(self._raw[4 : 4 + length])
                     del self._raw[: 4 + length]
+                    self._frame_deadline = None  # what is left is a new message
                     return out
-            data = await self._read_chunk(timeout_s)
+            wait = self._frame_wait(bytes(self._raw[:4]), max_bytes, timeout_s)
+            data = await self._read_within(wait)
             if data is None:
                 raise StreamClosedError("stream ended before a complete message")
             self._raw += data

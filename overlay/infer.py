@@ -79,11 +79,12 @@ from .core.planner import (
     fits_context,
 )
 from .core.routing import Policy
+from .core.streamslots import StreamSlots
 from .core.trust import SpotChecker, TrustTracker
 from .events import InferObserver, NullObserver, RequestDone
 from .forwarding import RETRYABLE_CODES, Relay, RouteExecutor
 from .heartbeat import Heartbeat
-from .host import FramedStream, HostError, OverlayHost, PeerTimeout, remote_peer
+from .host import FramedStream, FrameTimeout, HostError, OverlayHost, PeerTimeout, remote_peer
 from .partgossip import PartitionGossip
 from .serving import LocalServer
 from .spotcheck import SpotCheckRunner
@@ -185,8 +186,13 @@ class InferService:
         self._inflight: set[trio.CancelScope] = set()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
         self._replay = replaymem.ReplayWindow()  # accepted tenant requests, until their deadline
-        self._open_streams = 0
-        self._streams_by_peer: dict[bytes, int] = {}
+        # request streams answered at once (overlay/core/streamslots.py): peers without
+        # history get a smaller budget; a full budget sheds its oldest incomplete stream
+        cap = max(1, s.max_open_streams)
+        new_cap = max(1, cap * 3 // 4)
+        self._slots = StreamSlots(cap, min(cap, max(1, s.max_streams_per_peer)),
+                                  max(1, min(new_cap, s.max_streams_per_peer // 2)), new_cap)
+        self._slot_scopes: dict[int, trio.CancelScope] = {}  # incomplete slots' first reads
         self.stats = {
             "requests": 0,
             "served_local": 0,
@@ -254,32 +260,43 @@ class InferService:
 
     async def handle(self, stream) -> None:
         fs = FramedStream(stream, timeout_s=self.settings.send_timeout_s)
-        if self._open_streams >= self.settings.max_open_streams:
-            await self._refuse(fs, "overloaded", "too many open request streams")
-            return
         try:
             peer = remote_peer(stream)
         except Exception:  # a stream object without a connection (tests): one bucket
             peer = b""
-        if self._streams_by_peer.get(peer, 0) >= self.settings.max_streams_per_peer:
-            await self._refuse(fs, "overloaded", "too many open request streams from this peer")
+        is_known = getattr(self.heartbeat, "is_known", None)
+        known = bool(is_known(peer)) if is_known is not None and peer else False
+        admission = self._slots.open(peer, known, self.clock())
+        for victim in admission.shed:  # the oldest incomplete streams of a full budget
+            scope = self._slot_scopes.pop(victim.id, None)
+            if scope is not None:
+                scope.cancel()
+            self.stats["streams_shed"] = self.stats.get("streams_shed", 0) + 1
+        if admission.slot is None:
+            await self._refuse(fs, "overloaded", admission.refusal)
             return
-        self._open_streams += 1
-        self._streams_by_peer[peer] = self._streams_by_peer.get(peer, 0) + 1
         try:
-            await self._handle(fs, peer)
+            await self._handle(fs, peer, admission.slot)
         finally:
-            self._open_streams -= 1
-            left = self._streams_by_peer[peer] - 1
-            if left:
-                self._streams_by_peer[peer] = left
-            else:
-                del self._streams_by_peer[peer]
+            self._slot_scopes.pop(admission.slot.id, None)
+            self._slots.close(admission.slot)
 
-    async def _handle(self, fs: FramedStream, peer: bytes) -> None:
+    async def _handle(self, fs: FramedStream, peer: bytes, slot) -> None:
         try:
-            # a pooled stream (host.take_stream) may idle up to POOL_MAX_IDLE_S first
-            frame = await fs.receive(timeout_s=self.host.POOL_MAX_IDLE_S + 15.0)
+            # a pooled stream (host.take_stream) may idle up to POOL_MAX_IDLE_S first;
+            # a frame that began must be complete within its whole-frame budget (host.py)
+            with trio.CancelScope() as first_read:
+                self._slot_scopes[slot.id] = first_read  # cancelled if the slot is shed
+                frame = await fs.receive(timeout_s=self.host.POOL_MAX_IDLE_S + 15.0)
+            self._slot_scopes.pop(slot.id, None)
+            if first_read.cancelled_caught:  # shed for a newcomer while still incomplete
+                await fs.reset()
+                return
+            self._slots.complete(slot)
+        except FrameTimeout:  # a trickling peer: the slot is freed, nothing to answer
+            self.stats["slow_frames"] = self.stats.get("slow_frames", 0) + 1
+            await fs.reset()
+            return
         except PeerTimeout:  # an idle stream nobody used: not an error worth a frame
             await fs.reset()
             return
