@@ -66,8 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=_positive_int, default=5,
                         help="runs per length and path (>= 1)")
     parser.add_argument("--suffix-tokens", type=_positive_int, default=64)
-    parser.add_argument("--threads", type=_positive_int, default=2, help="llama.cpp threads")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="llama.cpp threads (default 2; 1 with --against-llama-server)")
     parser.add_argument("--model", default=None, help="GGUF path (default: embedded model)")
+    from .bench_llama_server import add_comparison_arguments
+
+    add_comparison_arguments(parser)
 
 
 # the name ``prefixmesh bench engine`` looks for (``add_<NAME>_arguments``, as bench/sim.py)
@@ -139,6 +143,7 @@ def bench_engine(prefix_lengths, runs: int = 5, suffix_tokens: int = 64, threads
                 ram_budget = engine.store.stats.ram_budget_bytes
                 file_bytes_per_token = 0.0
                 for i in range(runs):
+                    engine.store.wait_written()  # write-behind: the file must be complete
                     engine.store.set_budgets(ram_bytes=0)  # demote to disk
                     engine.store.set_budgets(ram_bytes=ram_budget)
                     path = engine.store._path_for(ns.id, (-1, *prefix))
@@ -196,6 +201,10 @@ def _table(report: dict) -> str:
 
 def run_bench_engine(args: argparse.Namespace) -> int:
     """Entry point of ``prefixmesh bench engine``; returns the exit status."""
+    if getattr(args, "against_llama_server", None) is not None:
+        from .bench_llama_server import run_against_llama_server
+
+        return run_against_llama_server(args)
     lengths = getattr(args, "prefix_lengths", "512,1024,2048")
     if isinstance(lengths, str):
         lengths = [int(x) for x in lengths.split(",") if x.strip()]
@@ -204,7 +213,7 @@ def run_bench_engine(args: argparse.Namespace) -> int:
         lengths,
         runs=int(getattr(args, "runs", 5)),
         suffix_tokens=int(getattr(args, "suffix_tokens", 64)),
-        threads=int(getattr(args, "threads", 2)),
+        threads=int(getattr(args, "threads", None) or 2),
         model=getattr(args, "model", None),
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )

@@ -64,6 +64,7 @@ def bench_restart(cache_gb: float = 1.5, runs: int = 3, threads: int = 1,
         eng.complete_tokens(real, params=one)  # one real state (1,023 tokens)
         per_token = eng.store.stats.ram_bytes // 1023
         fp = eng.state_fingerprint
+        eng.store.wait_written()  # write-behind: the real state is on disk before the count
         eng.close()
         # synthetic states: valid files of real sizes, written by the store itself
         store = KVStore(fingerprint=fp, ram_budget_bytes=0, disk_budget_bytes=kw[
@@ -76,6 +77,7 @@ def bench_restart(cache_gb: float = 1.5, runs: int = 3, threads: int = 1,
             toks = [rng.randrange(100, 40000) for _ in range(n_tok)]
             store.put(ns.id, toks, nprng.bytes(n_tok * per_token))
             n_files += 1
+        store.wait_written()  # close() waits 10 s at most: every file on disk, then count
         store.close()
         cache_bytes = sum(p.stat().st_size for p in root.rglob("*.kv"))
         log(f"cache: {n_files} files, {cache_bytes / 1e9:.2f} GB")
