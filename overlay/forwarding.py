@@ -444,7 +444,7 @@ class RouteExecutor:
                 or final.ttft_ms < 0:
             return
         # its TTFT counts from its receipt of the request: minus the queue wait it
-        # advertised, the rest is restore + prefill (the generous ratio in TrustConfig
+        # advertised, the rest is restore + prefill (the generous trust.CAPACITY_OK_RATIO
         # absorbs a stale queue figure)
         prefill_s = max(0.0, final.ttft_ms / 1000.0 - claimed.queue_wait_s)
         self.trust.observe_capacity(

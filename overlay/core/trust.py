@@ -11,8 +11,8 @@ subnet caps, per-peer rate limits) are in :mod:`.limits`.
 Pure and deterministic: no trio, libp2p or llama imports; time comes in as ``now``
 (seconds, any monotone clock) and randomness as a ``random.Random``.
 
-TrustTracker: update rules (defaults in :class:`TrustConfig`)
--------------------------------------------------------------
+TrustTracker: update rules (constants: ``INITIAL_TRUST``, ``HONOR_RATIO``, ... below)
+-------------------------------------------------------------------------------------
 A peer never seen starts at ``initial`` (0.8): good enough to be routed to, with its
 claims already discounted by 20 %. Every update first applies *recovery* (below), then
 one of these rules; the result is clamped to [0, 1].
@@ -118,7 +118,6 @@ __all__ = [
     "TrustError",
     "InvalidTrustConfig",
     "InvalidObservation",
-    "TrustConfig",
     "PeerTrust",
     "TrustTracker",
     "observations_to_floor",
@@ -170,54 +169,23 @@ def check_time(now: float) -> None:
 # ---------------------------------------------------------------------------- trust
 
 
-@dataclass(frozen=True)
-class TrustConfig:
-    """Constants of the trust update rules (see the module docstring)."""
-
-    initial: float = 0.8
-    honor_ratio: float = 0.9
-    honor_gain: float = 0.05
-    miss_penalty: float = 0.12
-    min_claim_tokens: int = 16
-    spot_match_gain: float = 0.05
-    spot_mismatch_factor: float = 0.1
-    failure_penalty: float = 0.05
-    capacity_ok_ratio: float = 1 / 3
-    capacity_penalty: float = 0.2
-    min_capacity_tokens: int = 64
-    recovery_half_life_s: float = 600.0
-    recovery_delay_s: float = 300.0
-    max_strike_doublings: int = 6
-    max_peers: int = 4096
-
-    def __post_init__(self) -> None:
-        for name in (
-            "initial",
-            "honor_gain",
-            "miss_penalty",
-            "spot_match_gain",
-            "spot_mismatch_factor",
-            "failure_penalty",
-            "capacity_penalty",
-        ):
-            check_unit(getattr(self, name), name)
-        check_unit(self.honor_ratio, "honor_ratio", open_low=True)
-        check_unit(self.capacity_ok_ratio, "capacity_ok_ratio", open_low=True)
-        check_pos(self.recovery_half_life_s, "recovery_half_life_s")
-        if not (
-            isinstance(self.recovery_delay_s, int | float)
-            and math.isfinite(self.recovery_delay_s)
-            and self.recovery_delay_s >= 0
-        ):
-            raise InvalidTrustConfig(
-                f"recovery_delay_s must be finite and >= 0, got {self.recovery_delay_s!r}"
-            )
-        for name in ("min_claim_tokens", "min_capacity_tokens", "max_strike_doublings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise InvalidTrustConfig(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.max_peers, int) or self.max_peers < 1:
-            raise InvalidTrustConfig(f"max_peers must be an int >= 1, got {self.max_peers!r}")
+# The trust rules' constants (the module docstring calls them by lower-case names: ``initial``
+# is INITIAL_TRUST). No operator sets them: they are the rules' design (each argued there).
+INITIAL_TRUST = 0.8  # a new peer is routable (over the 0.2 floor), its claims discounted 20 %
+HONOR_RATIO = 0.9  # a claim 90 % reused is honoured: block rounding and races are honest
+HONOR_GAIN = 0.05  # slow: trust is earned over ~20 honoured claims, not one
+MISS_PENALTY = 0.12  # one stale miss costs <= 12 %; an honest peer missing 10 % settles at 0.79
+MIN_CLAIM_TOKENS = 16  # one block: a smaller claim has nothing to check
+SPOT_MATCH_GAIN = 0.05  # a checked correct answer counts like an honoured claim
+SPOT_MISMATCH_FACTOR = 0.1  # wrong tokens are proof: 0.8 -> 0.08, under the floor at once
+FAILURE_PENALTY = 0.05  # mild: crashes and network trouble are not lies (heartbeats drop the dead)
+CAPACITY_OK_RATIO = 1 / 3  # down to a third of the claimed prefill rate is load and noise
+CAPACITY_PENALTY = 0.2  # the most one inflated-capacity observation costs
+MIN_CAPACITY_TOKENS = 64  # shorter prefills are dominated by fixed per-request overhead
+RECOVERY_HALF_LIFE_S = 600.0  # a flapping honest peer is back near INITIAL in tens of minutes
+RECOVERY_DELAY_S = 300.0  # no recovery within 5 min of a penalty: a liar cannot out-wait it
+MAX_STRIKE_DOUBLINGS = 6  # each caught lie doubles the half-life, up to 64x (~11 h)
+MAX_PEERS = 4096  # tracked peers (a memory bound; peers with strikes are evicted last)
 
 
 @dataclass
@@ -239,8 +207,10 @@ class PeerTrust:
 class TrustTracker:
     """Per-peer trust in [0, 1] from observed behaviour (rules in the module docstring)."""
 
-    def __init__(self, config: TrustConfig | None = None) -> None:
-        self.config = config or TrustConfig()
+    def __init__(self, *, max_peers: int = MAX_PEERS) -> None:
+        if isinstance(max_peers, bool) or not isinstance(max_peers, int) or max_peers < 1:
+            raise InvalidTrustConfig(f"max_peers must be an int >= 1, got {max_peers!r}")
+        self.max_peers = max_peers
         self._peers: dict[bytes, PeerTrust] = {}
 
     def __len__(self) -> int:
@@ -252,21 +222,20 @@ class TrustTracker:
     # -- reading
 
     def _recovered(self, rec: PeerTrust, now: float) -> float:
-        start = max(rec.updated_at, rec.last_penalty_at + self.config.recovery_delay_s)
+        start = max(rec.updated_at, rec.last_penalty_at + RECOVERY_DELAY_S)
         dt = now - start
         if dt <= 0:  # within the delay after a penalty, or a clock that went backwards
             return rec.trust
-        cfg = self.config
-        half_life = cfg.recovery_half_life_s * 2 ** min(rec.strikes, cfg.max_strike_doublings)
+        half_life = RECOVERY_HALF_LIFE_S * 2 ** min(rec.strikes, MAX_STRIKE_DOUBLINGS)
         keep = 0.5 ** (dt / half_life)
-        return cfg.initial + (rec.trust - cfg.initial) * keep
+        return INITIAL_TRUST + (rec.trust - INITIAL_TRUST) * keep
 
     def trust(self, peer: bytes, now: float) -> float:
         """The peer's trust at ``now`` (``initial`` for a peer never observed)."""
         check_time(now)
         rec = self._peers.get(peer)
         if rec is None:
-            return self.config.initial
+            return INITIAL_TRUST
         return min(1.0, max(0.0, self._recovered(rec, now)))
 
     def record(self, peer: bytes) -> PeerTrust | None:
@@ -288,9 +257,9 @@ class TrustTracker:
             raise InvalidObservation(f"peer must be bytes, got {type(peer).__name__}")
         rec = self._peers.get(peer)
         if rec is None:
-            if len(self._peers) >= self.config.max_peers:
+            if len(self._peers) >= self.max_peers:
                 self._evict_one()
-            rec = self._peers[peer] = PeerTrust(self.config.initial, now)
+            rec = self._peers[peer] = PeerTrust(INITIAL_TRUST, now)
         else:
             rec.trust = self._recovered(rec, now)
             rec.updated_at = max(rec.updated_at, now)
@@ -314,21 +283,20 @@ class TrustTracker:
         """Rule (a): the peer was routed to for ``claimed_tokens`` and reused ``cached_tokens``.
 
         Returns the new trust (unchanged apart from recovery for claims under
-        ``min_claim_tokens``).
+        ``MIN_CLAIM_TOKENS``).
         """
         check_observed(claimed_tokens, "claimed_tokens")
         check_observed(cached_tokens, "cached_tokens")
         rec = self._touch(peer, now)
-        cfg = self.config
-        if claimed_tokens < cfg.min_claim_tokens:
+        if claimed_tokens < MIN_CLAIM_TOKENS:
             return self._clamp(rec)
         ratio = min(1.0, cached_tokens / claimed_tokens)
-        if ratio >= cfg.honor_ratio:
+        if ratio >= HONOR_RATIO:
             rec.honoured += 1
-            rec.trust += cfg.honor_gain * (1.0 - rec.trust)
+            rec.trust += HONOR_GAIN * (1.0 - rec.trust)
         else:
             rec.misses += 1
-            rec.trust *= 1.0 - cfg.miss_penalty * (1.0 - ratio)
+            rec.trust *= 1.0 - MISS_PENALTY * (1.0 - ratio)
             rec.last_penalty_at = rec.updated_at
         return self._clamp(rec)
 
@@ -337,17 +305,16 @@ class TrustTracker:
         if not isinstance(verdict, SpotCheckVerdict):
             raise InvalidObservation("verdict must be a SpotCheckVerdict")
         rec = self._touch(peer, now)
-        cfg = self.config
         if verdict.kind == MISMATCH:
             rec.strikes += 1
-            rec.trust *= cfg.spot_mismatch_factor
+            rec.trust *= SPOT_MISMATCH_FACTOR
             rec.last_penalty_at = rec.updated_at
         elif verdict.kind == MATCH:
             rec.spot_matches += 1
-            rec.trust += cfg.spot_match_gain * (1.0 - rec.trust)
+            rec.trust += SPOT_MATCH_GAIN * (1.0 - rec.trust)
         else:  # DRIFT: explainable by numerics; treat like a failure
             rec.failures += 1
-            rec.trust *= 1.0 - cfg.failure_penalty
+            rec.trust *= 1.0 - FAILURE_PENALTY
             rec.last_penalty_at = rec.updated_at
         return self._clamp(rec)
 
@@ -355,7 +322,7 @@ class TrustTracker:
         """Rule (d): a forward to ``peer`` failed, timed out or was refused."""
         rec = self._touch(peer, now)
         rec.failures += 1
-        rec.trust *= 1.0 - self.config.failure_penalty
+        rec.trust *= 1.0 - FAILURE_PENALTY
         rec.last_penalty_at = rec.updated_at
         return self._clamp(rec)
 
@@ -374,14 +341,13 @@ class TrustTracker:
         check_observed(uncached_tokens, "uncached_tokens")
         check_observed(prefill_s, "prefill_s")
         rec = self._touch(peer, now)
-        cfg = self.config
-        if uncached_tokens < cfg.min_capacity_tokens or claimed_prefill_tps <= 0:
+        if uncached_tokens < MIN_CAPACITY_TOKENS or claimed_prefill_tps <= 0:
             return self._clamp(rec)
         observed_tps = uncached_tokens / prefill_s if prefill_s > 0 else math.inf
-        floor_tps = cfg.capacity_ok_ratio * claimed_prefill_tps
+        floor_tps = CAPACITY_OK_RATIO * claimed_prefill_tps
         if observed_tps < floor_tps:
             rec.capacity_flags += 1
-            rec.trust *= 1.0 - cfg.capacity_penalty * (1.0 - observed_tps / floor_tps)
+            rec.trust *= 1.0 - CAPACITY_PENALTY * (1.0 - observed_tps / floor_tps)
             rec.last_penalty_at = rec.updated_at
         return self._clamp(rec)
 
@@ -393,7 +359,6 @@ class TrustTracker:
 def observations_to_floor(
     floor: float,
     *,
-    config: TrustConfig | None = None,
     max_gap_s: float = 0.0,
     severity: float = 1.0,
 ) -> int:
@@ -405,20 +370,19 @@ def observations_to_floor(
     Raises :class:`InvalidTrustConfig` if recovery outpaces the penalty so the peer would
     never fall under ``floor``.
     """
-    cfg = config or TrustConfig()
     check_unit(floor, "floor")
     if not (math.isfinite(max_gap_s) and max_gap_s >= 0):
         raise InvalidTrustConfig(f"max_gap_s must be finite and >= 0, got {max_gap_s!r}")
-    # recovery only runs for the part of a gap past recovery_delay_s after a penalty
+    # recovery only runs for the part of a gap past RECOVERY_DELAY_S after a penalty
     check_unit(severity, "severity", open_low=True)
-    if 1.0 - severity >= cfg.honor_ratio:
+    if 1.0 - severity >= HONOR_RATIO:
         raise InvalidTrustConfig(f"severity {severity} counts as an honoured claim")
-    keep = 0.5 ** (max(0.0, max_gap_s - cfg.recovery_delay_s) / cfg.recovery_half_life_s)
-    t = cfg.initial
+    keep = 0.5 ** (max(0.0, max_gap_s - RECOVERY_DELAY_S) / RECOVERY_HALF_LIFE_S)
+    t = INITIAL_TRUST
     for n in range(1, 10_000):
         if n > 1:
-            t = cfg.initial + (t - cfg.initial) * keep
-        t *= 1.0 - cfg.miss_penalty * severity
+            t = INITIAL_TRUST + (t - INITIAL_TRUST) * keep
+        t *= 1.0 - MISS_PENALTY * severity
         if t < floor:
             return n
     raise InvalidTrustConfig(

@@ -23,13 +23,15 @@ from prefixmesh.overlay.core.routing import (
 )
 from prefixmesh.overlay.core.trust import (
     DRIFT,
+    INITIAL_TRUST,
     MATCH,
     MISMATCH,
+    RECOVERY_DELAY_S,
+    RECOVERY_HALF_LIFE_S,
     InvalidObservation,
     InvalidTrustConfig,
     SpotChecker,
     SpotCheckVerdict,
-    TrustConfig,
     TrustTracker,
     observations_to_floor,
 )
@@ -47,27 +49,15 @@ def _verdict(kind: str) -> SpotCheckVerdict:
 
 def test_unknown_peer_starts_at_initial_and_is_routable():
     t = TrustTracker()
-    assert t.trust(P, 0.0) == TrustConfig().initial == 0.8
+    assert t.trust(P, 0.0) == INITIAL_TRUST == 0.8
     assert t.trust(P, 0.0) >= FLOOR
     assert P not in t
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"initial": 1.5},
-        {"miss_penalty": -0.1},
-        {"honor_ratio": 0.0},
-        {"recovery_half_life_s": 0.0},
-        {"recovery_delay_s": math.inf},
-        {"max_peers": 0},
-        {"min_claim_tokens": -1},
-        {"capacity_ok_ratio": math.nan},
-    ],
-)
-def test_config_validation(kwargs):
+@pytest.mark.parametrize("max_peers", [0, -1, 1.5, True, "8"])
+def test_max_peers_validation(max_peers):
     with pytest.raises(InvalidTrustConfig):
-        TrustConfig(**kwargs)
+        TrustTracker(max_peers=max_peers)
 
 
 def test_observation_validation():
@@ -115,24 +105,23 @@ def test_one_stale_miss_does_not_ban():
 
 
 def test_spot_check_mismatch_drops_under_floor_at_once_and_slows_recovery():
-    cfg = TrustConfig()
-    t = TrustTracker(cfg)
+    t = TrustTracker()
     after = t.observe_spot_check(P, 0.0, _verdict(MISMATCH))
     assert after == pytest.approx(0.08)
     assert after < FLOOR
     rec = t.record(P)
     assert rec.strikes == 1
     # no recovery during the delay after the penalty
-    assert t.trust(P, cfg.recovery_delay_s) == pytest.approx(0.08)
+    assert t.trust(P, RECOVERY_DELAY_S) == pytest.approx(0.08)
     # with one strike the half-life doubles: after one base half-life past the delay,
     # the gap to `initial` has closed by only 1 - 2**-0.5
-    later = t.trust(P, cfg.recovery_delay_s + cfg.recovery_half_life_s)
+    later = t.trust(P, RECOVERY_DELAY_S + RECOVERY_HALF_LIFE_S)
     gap = 0.8 - 0.08
     assert later == pytest.approx(0.8 - gap * 2**-0.5)
     # an honest peer with a failure instead recovers at the base rate
-    t2 = TrustTracker(cfg)
+    t2 = TrustTracker()
     low = t2.observe_failure(P, 0.0)
-    at = t2.trust(P, cfg.recovery_delay_s + cfg.recovery_half_life_s)
+    at = t2.trust(P, RECOVERY_DELAY_S + RECOVERY_HALF_LIFE_S)
     assert at == pytest.approx(0.8 - (0.8 - low) * 0.5)
 
 
@@ -164,20 +153,19 @@ def test_capacity_inflation_lowers_trust_honest_capacity_does_not():
 
 
 def test_recovery_toward_initial_both_ways():
-    cfg = TrustConfig()
-    t = TrustTracker(cfg)
+    t = TrustTracker()
     for i in range(300):
         t.observe_cache(P, float(i), claimed_tokens=100, cached_tokens=100)
     high = t.trust(P, 299.0)
     assert high > 0.95
     # with no penalty ever, recovery (toward 0.8) starts right away
-    assert t.trust(P, 299.0 + cfg.recovery_half_life_s) == pytest.approx(0.8 + (high - 0.8) * 0.5)
+    assert t.trust(P, 299.0 + RECOVERY_HALF_LIFE_S) == pytest.approx(0.8 + (high - 0.8) * 0.5)
     # a clock that goes backwards changes nothing
     assert t.trust(P, 0.0) == pytest.approx(high)
 
 
 def test_eviction_keeps_peers_with_strikes():
-    t = TrustTracker(TrustConfig(max_peers=3))
+    t = TrustTracker(max_peers=3)
     t.observe_spot_check(b"liar", 0.0, _verdict(MISMATCH))
     for i in range(10):
         t.observe_failure(bytes([i]), float(i + 1))
@@ -206,7 +194,7 @@ _EVENT = st.one_of(
     )
 )
 def test_trust_always_in_unit_interval(events):
-    t = TrustTracker(TrustConfig(max_peers=1))
+    t = TrustTracker(max_peers=1)
     now = 0.0
     for dt, peer, (kind, x, y) in events:
         now += dt  # may go backwards
@@ -230,13 +218,13 @@ def test_lying_bound_is_small_and_exact():
     assert observations_to_floor(FLOOR) == 11  # 0.8 * 0.88**11 = 0.197 < 0.2 < 0.8 * 0.88**10
     assert 0.8 * 0.88**11 < FLOOR < 0.8 * 0.88**10
     # the bound holds with gaps up to the recovery delay (no recovery between penalties)
-    assert observations_to_floor(FLOOR, max_gap_s=TrustConfig().recovery_delay_s) == 11
+    assert observations_to_floor(FLOOR, max_gap_s=RECOVERY_DELAY_S) == 11
     assert observations_to_floor(FLOOR, max_gap_s=300, severity=0.9) == 13
     with pytest.raises(InvalidTrustConfig):
         observations_to_floor(FLOOR, max_gap_s=3600)  # recovery outpaces a slow liar
 
 
-MAX_GAP = TrustConfig().recovery_delay_s
+MAX_GAP = RECOVERY_DELAY_S
 
 
 @settings(max_examples=200, deadline=None)
@@ -425,7 +413,7 @@ def test_lying_peer_loses_its_forwarded_share_within_bound():
         assert window.count(liar) / len(window) < 0.5
     # later it is only retried on parole, when recovery (after the 300 s delay) lifts its
     # discounted claim above the honest ones: each retry is caught again
-    assert forwards.count(liar) <= len(first) + 3000 // int(TrustConfig().recovery_delay_s)
+    assert forwards.count(liar) <= len(first) + 3000 // int(RECOVERY_DELAY_S)
     assert forwards.count(liar) / len(forwards) < 0.01
     assert tracker.record(liar).honoured == 0
     assert (
