@@ -32,7 +32,7 @@ lint: $(STAMP)
 
 test: $(STAMP) browser natlab
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=25
 
 # headless Chromium for the dashboard's browser test (Debian package; sudo when not root);
 # where it cannot be installed the test is skipped and says why
