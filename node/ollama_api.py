@@ -10,7 +10,11 @@ those of ``/v1``), and the answer goes back in Ollama's shapes: one JSON object,
 NDJSON lines when ``stream`` is true (Ollama's default). Errors are Ollama's
 ``{"error": "..."}`` with the same HTTP status the OpenAI endpoint would use.
 
-What is refused with a 400 naming the field: ``format`` (structured output), ``tools``,
+``format`` (``"json"`` or a JSON schema) is structured output, enforced with a llama.cpp
+grammar exactly as ``response_format`` on ``/v1`` (:mod:`.openai_tools`: the same schema
+keywords, the same 400 for one a grammar cannot enforce).
+
+What is refused with a 400 naming the field: ``tools``,
 ``images``, ``think``, generate's ``context``/``template``/``suffix``, and sampling options
 that change the output and that the mesh does not implement (``top_k``, ``min_p``,
 ``repeat_penalty``, ... unless set to their neutral value). Runtime options that only
@@ -63,8 +67,8 @@ NEUTRAL_OPTIONS = {"top_k": 0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty":
                    "tfs_z": 1.0, "mirostat": 0, "penalize_newline": False}
 _OPTION_TO_OPENAI = {"num_predict": "max_tokens", "temperature": "temperature",
                      "top_p": "top_p", "seed": "seed", "stop": "stop"}
-_REFUSED_FIELDS = {"format": "structured output (format) is not supported yet",
-                   "tools": "tool calling (tools) is not supported yet",
+_REFUSED_FIELDS = {"tools": "tool calling (tools) is not supported yet on /api/chat; use "
+                            "/v1/chat/completions",
                    "think": "thinking mode (think) is not supported"}
 
 
@@ -87,6 +91,7 @@ class OllamaRequest:
     model: str  # as the client named it (echoed back)
     stream: bool
     openai: ChatRequest | CompletionRequest | None  # None: generate with an empty prompt
+    grammar: str = ""  # the llama.cpp grammar of ``format`` ("" when absent)
 
 
 def _canonical_model(name: str, model_ids: list[str]) -> str | None:
@@ -121,6 +126,27 @@ def _options(obj: Mapping[str, Any]) -> dict[str, Any]:
             continue  # -1 (no limit) / -2 (fill the context): the gateway's default
         out[_OPTION_TO_OPENAI[key]] = value
     return out
+
+
+def format_grammar(obj: Mapping[str, Any]) -> str:
+    """The grammar of Ollama's ``format`` ("json" or a JSON schema; "" when absent)."""
+    from . import openai_tools
+
+    fmt = obj.get("format")
+    if fmt in (None, ""):
+        return ""
+    if fmt == "json":
+        rf = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        rf = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    else:
+        raise BadRequest('format must be "json" or a JSON schema object', param="format")
+    try:
+        spec = openai_tools.parse_response_format({"response_format": rf})
+        return openai_tools.format_grammar(spec)
+    except BadRequest as exc:
+        raise BadRequest(exc.message.replace("response_format.json_schema.schema", "format"),
+                         param="format") from None
 
 
 def _refuse(obj: Mapping[str, Any], extra: Mapping[str, str] | None = None) -> None:
@@ -171,7 +197,7 @@ def parse_ollama_chat(obj: Mapping[str, Any], *, default_max_tokens: int) -> Oll
         req = parse_chat_request(body, default_max_tokens=default_max_tokens)
     except BadRequest as exc:
         raise _openai_param(exc) from None
-    return OllamaRequest("chat", model, stream, req)
+    return OllamaRequest("chat", model, stream, req, format_grammar(obj))
 
 
 def parse_ollama_generate(obj: Mapping[str, Any], *, default_max_tokens: int) -> OllamaRequest:
@@ -206,7 +232,7 @@ def parse_ollama_generate(obj: Mapping[str, Any], *, default_max_tokens: int) ->
                                      default_max_tokens=default_max_tokens)
     except BadRequest as exc:
         raise _openai_param(exc) from None
-    return OllamaRequest("generate", model, stream, req)
+    return OllamaRequest("generate", model, stream, req, format_grammar(obj))
 
 
 # --- response shapes ----------------------------------------------------------------------
@@ -304,6 +330,8 @@ async def _generate(app, hooks: GatewayHooks, path: str, obj, tenant: str,
         return
     o = req.openai
     extra = {"messages": o.messages} if isinstance(o, ChatRequest) else {"prompt": o.prompt}
+    if req.grammar:
+        extra["grammar"] = req.grammar
     job = hooks.make_job(tenant=tenant, sampling=o.sampling, deadline_s=s.deadline_s, **extra)
     if app.active >= s.max_concurrent:
         raise NoCapacity(f"the gateway is serving {app.active} requests, its limit")

@@ -46,7 +46,8 @@ def test_options_map_to_sampling_and_unbounded_num_predict_is_the_default():
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"format": "json"}, "format"),
+    ({"format": 5}, "format"),
+    ({"format": {"type": "integer", "minimum": 1}}, "format"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"think": True}, "think"),
     ({"options": {"top_k": 40}}, "options.top_k"),
@@ -112,7 +113,7 @@ def test_errors_have_ollamas_shape_and_the_openai_status():
         r = httpx.post(gw.url + "/api/chat", json={"model": "nope", "messages": MSGS})
         assert r.status_code == 404 and "nope" in r.json()["error"]
         r = httpx.post(gw.url + "/api/chat", json={"model": MODEL, "messages": MSGS,
-                                                    "format": "json"})
+                                                    "format": {"not": {}}})
         assert r.status_code == 400 and "format" in r.json()["error"]
         r = httpx.get(gw.url + "/api/chat")
         assert r.status_code == 405 and "POST" in r.json()["error"]
