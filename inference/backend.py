@@ -357,6 +357,25 @@ class LlamaBackend:
         except InvalidRequestError as exc:
             raise BackendInvalidRequest(str(exc)) from None
 
+    @property
+    def supports_tools(self) -> bool:
+        """The model's chat template renders tool definitions (see inference/chat.py)."""
+        renderer = getattr(self.engine, "_renderer", None)
+        return bool(getattr(renderer, "supports_tools", False))
+
+    async def tokenize_chat(self, messages: Sequence[dict], tools: Sequence[dict]
+                            ) -> tuple[int, ...]:
+        """A tool conversation rendered with the model's own template (OpenAI-shaped
+        message dicts, tool objects); needs :attr:`supports_tools`."""
+        from prefixmesh.inference.chat import ChatError
+
+        try:
+            rendered = await trio.to_thread.run_sync(
+                lambda: self.engine.render_chat(list(messages), tools=list(tools)))
+        except ChatError as exc:
+            raise BackendError(str(exc)) from None
+        return tuple(rendered.tokens)
+
     async def match_length(self, ns: bytes, tokens: Sequence[int]) -> int:
         namespace = self._namespaces.get(ns)
         if namespace is None or self.engine is None:

@@ -13,6 +13,14 @@ boundaries for ordinary templates but is not guaranteed (a template may merge te
 messages, a tokenizer may merge across the seam), so :func:`render_chat` verifies it for
 every boundary of every request and keeps only the boundaries where it holds.
 
+Tools. A template that refers to a ``tools`` variable (:attr:`ChatRenderer.supports_tools`,
+found from the template's syntax tree) renders tool definitions and the tool-calling
+conversation itself: :meth:`ChatRenderer.render_tools` passes ``tools`` (OpenAI tool
+objects) and messages that may carry ``tool_calls`` (arguments as objects, the Hugging
+Face convention) and ``tool`` messages (``tool_call_id``) to it. For other templates the
+gateway renders tools into plain messages with its generic format
+(``node/openai_tools.py``).
+
 Limits: at most :data:`MAX_MESSAGES` messages and :data:`MAX_PROMPT_CHARS` characters of
 rendered prompt; violations raise :class:`ChatError` subclasses.
 """
@@ -26,6 +34,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
@@ -42,6 +51,7 @@ __all__ = [
 ]
 
 ROLES = frozenset({"system", "user", "assistant"})
+TOOL_ROLES = ROLES | {"tool"}
 MAX_MESSAGES = 1024
 MAX_PROMPT_CHARS = 4 * 2**20
 # Verifying a boundary re-renders and re-tokenizes the prefix; long conversations verify the
@@ -129,6 +139,29 @@ def normalize_messages(messages: object) -> list[dict[str, str]]:
     return out
 
 
+def normalize_tool_messages(messages: object) -> list[dict]:
+    """Validate OpenAI-style messages of a tool conversation (roles incl. ``tool``; content a
+    string or None; ``tool_calls`` a list of objects) into plain dicts."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
+        raise MalformedMessagesError("messages must be a non-empty list of objects")
+    if len(messages) > MAX_MESSAGES:
+        raise MalformedMessagesError(f"{len(messages)} messages exceed the limit of {MAX_MESSAGES}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in TOOL_ROLES:
+            raise UnknownRoleError(f"message {i} is not an object with a role in "
+                                   f"{sorted(TOOL_ROLES)}")
+        content = m.get("content")
+        calls = m.get("tool_calls")
+        if content is not None and not isinstance(content, str):
+            raise MalformedMessagesError(f"message {i} content must be a string or null")
+        if calls is not None and not (isinstance(calls, list)
+                                      and all(isinstance(c, Mapping) for c in calls)):
+            raise MalformedMessagesError(f"message {i} tool_calls must be a list of objects")
+        out.append(dict(m))
+    return out
+
+
 class ChatRenderer:
     """Renders chats for one model.
 
@@ -156,17 +189,23 @@ class ChatRenderer:
         self.template_source = template or _FALLBACK_TEMPLATE
         try:
             self._template = env.from_string(self.template_source)
+            names = jinja2.meta.find_undeclared_variables(env.parse(self.template_source))
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the model's chat template does not compile: {exc}") from exc
+        #: the template renders tool definitions (it refers to a ``tools`` variable)
+        self.supports_tools = "tools" in names
         self._tokenize = tokenize
         self._bos_token = bos_token
         self._eos_token = eos_token
         self._bos_id = bos_token_id
         self._add_bos = add_bos and bos_token_id is not None
 
-    def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_text(self, messages: list[dict], add_generation_prompt: bool,
+                    tools: list | None = None) -> str:
+        extra = {} if tools is None else {"tools": tools}
         try:
             text = self._template.render(
+                **extra,
                 messages=messages,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
@@ -190,9 +229,18 @@ class ChatRenderer:
             ids.insert(0, self._bos_id)
         return ids
 
-    def render(self, messages: object, *, verify_boundaries: bool = True) -> RenderedChat:
-        msgs = normalize_messages(messages)
-        text = self.render_text(msgs, add_generation_prompt=True)
+    def render_tools(self, messages: object, tools: Sequence[Mapping]) -> RenderedChat:
+        """Render a tool conversation with the model's own template (which must
+        :attr:`supports_tools`); message boundaries are verified as in :meth:`render`."""
+        if not self.supports_tools:
+            raise TemplateError("the model's chat template does not render tools")
+        return self.render(normalize_tool_messages(messages), tools=[dict(t) for t in tools],
+                           _normalized=True)
+
+    def render(self, messages: object, *, verify_boundaries: bool = True,
+               tools: list | None = None, _normalized: bool = False) -> RenderedChat:
+        msgs = messages if _normalized else normalize_messages(messages)
+        text = self.render_text(msgs, add_generation_prompt=True, tools=tools)
         tokens = self.tokenize_text(text)
         if not tokens:
             raise EmptyPromptError("the rendered prompt has no tokens")
@@ -204,7 +252,7 @@ class ChatRenderer:
                 tail = n_msgs + 1 - (MAX_VERIFIED_BOUNDARIES - 2)
                 candidates = [1, 2, *range(tail, n_msgs + 1)]
             for i in candidates:
-                prefix = self.render_text(msgs[:i], add_generation_prompt=False)
+                prefix = self.render_text(msgs[:i], add_generation_prompt=False, tools=tools)
                 if not prefix or not text.startswith(prefix):
                     continue  # the template renders history differently: no cache point
                 head = self.tokenize_text(prefix)

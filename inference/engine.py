@@ -527,11 +527,15 @@ class Engine:
 
     # ---------------------------------------------------------------- tokens & figures
 
-    def render_chat(self, messages: object) -> RenderedChat:
-        """Render and tokenize a chat (thread-safe). Raises :class:`ChatError` subclasses."""
+    def render_chat(self, messages: object, tools: list | None = None) -> RenderedChat:
+        """Render and tokenize a chat (thread-safe). Raises :class:`ChatError` subclasses.
+        With ``tools`` (OpenAI tool objects) the model's template renders them and the
+        tool conversation (``ChatRenderer.render_tools``; the template must support it)."""
         with self._vocab_lock:
             if self._llama is None:
                 raise EngineClosed("the engine is closed")
+            if tools is not None:
+                return self._renderer.render_tools(messages, tools)
             return self._renderer.render(messages)
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:

@@ -252,6 +252,9 @@ class GenerationJob:
     messages: tuple[tuple[str, str], ...] = ()  # chat: rendered with the model's template
     prompt: str | None = None  # completions: raw text, tokenized as is
     grammar: str = ""  # llama.cpp GBNF the answer must follow ("": unconstrained)
+    # chat with tools: (messages, tools) as OpenAI dicts, rendered by the model's own
+    # template when it supports tools (else ``messages``, the generic rendering, is used)
+    tool_chat: tuple | None = None
     logprobs: int = -1  # -1: none; else alternatives per token (0..20)
 
 
@@ -532,7 +535,8 @@ class GatewayApp:
                     obj, default_max_tokens=s.default_max_tokens)
                 job = GenerationJob(tenant=tenant, sampling=req.sampling,
                                     deadline_s=s.deadline_s, messages=req.messages,
-                                    grammar=_grammar(req), logprobs=req.logprobs)
+                                    grammar=_grammar(req), logprobs=req.logprobs,
+                                    tool_chat=req.tool_chat)
             else:
                 req = parse_completion_request(obj, default_max_tokens=s.default_max_tokens)
                 job = GenerationJob(tenant=tenant, sampling=req.sampling,
@@ -842,10 +846,13 @@ def _tool_names(req: ChatRequest) -> tuple[str, ...]:
 
 def _grammar(req: ChatRequest) -> str:
     """The llama.cpp grammar a chat request's answer must follow ("" if none)."""
-    if req.tools is not None and req.tools.constrained:
-        return openai_tools.tool_grammar(req.tools)
-    if req.response_format is not None:
-        return openai_tools.format_grammar(req.response_format)
+    try:
+        if req.tools is not None and req.tools.constrained:
+            return openai_tools.tool_grammar(req.tools)
+        if req.response_format is not None:
+            return openai_tools.format_grammar(req.response_format)
+    except openai_tools.ToolsError as exc:
+        raise BadRequest(exc.message, param=exc.param, code=exc.code) from None
     return ""
 
 
@@ -1070,6 +1077,8 @@ class NodeGatewayBackend:
 
         try:
             if job.prompt is None:
+                if job.tool_chat is not None and getattr(self.backend, "supports_tools", False):
+                    return tuple(await self.backend.tokenize_chat(*job.tool_chat))
                 return tuple(await self.backend.tokenize(job.messages))
             tokenize_text = getattr(self.backend, "tokenize_text", None)
             if tokenize_text is not None:

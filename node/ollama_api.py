@@ -144,7 +144,7 @@ def format_grammar(obj: Mapping[str, Any]) -> str:
     try:
         spec = openai_tools.parse_response_format({"response_format": rf})
         return openai_tools.format_grammar(spec)
-    except BadRequest as exc:
+    except openai_tools.ToolsError as exc:
         raise BadRequest(exc.message.replace("response_format.json_schema.schema", "format"),
                          param="format") from None
 

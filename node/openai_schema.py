@@ -69,6 +69,7 @@ __all__ = [
     "CompletionRequest",
     "Usage",
     "parse_json_body",
+    "bad_request",
     "parse_chat_request",
     "parse_completion_request",
     "usage_object",
@@ -206,6 +207,9 @@ class ChatRequest:
     tools: Any = None  # openai_tools.ToolSpec | None
     response_format: Any = None  # openai_tools.ResponseFormat | None (None: text)
     logprobs: int = -1  # -1: none; else top_logprobs (0..MAX_TOP_LOGPROBS)
+    # (messages, tools) as OpenAI dicts for a model whose own template renders tools
+    # (openai_tools.native_chat); None without tools and tool messages
+    tool_chat: Any = None
 
 
 @dataclass(frozen=True)
@@ -480,10 +484,13 @@ def parse_chat_request(obj: Mapping[str, Any], *, default_max_tokens: int) -> Ch
                          code="invalid_value")
     from . import openai_tools
 
-    msgs = [openai_tools.parse_message(m, i) for i, m in enumerate(raw_messages)]
-    _refuse_unsupported(obj, chat=True)
-    tools = openai_tools.parse_tools(obj)
-    rf = openai_tools.parse_response_format(obj)
+    try:
+        msgs = [openai_tools.parse_message(m, i) for i, m in enumerate(raw_messages)]
+        _refuse_unsupported(obj, chat=True)
+        tools = openai_tools.parse_tools(obj)
+        rf = openai_tools.parse_response_format(obj)
+    except openai_tools.ToolsError as exc:
+        raise bad_request(exc) from None
     if rf is not None and tools is not None and tools.constrained:
         raise BadRequest("'response_format' cannot be combined with a 'tool_choice' that "
                          "forces a tool call", param="response_format", code="invalid_value")
@@ -492,7 +499,13 @@ def parse_chat_request(obj: Mapping[str, Any], *, default_max_tokens: int) -> Ch
     return ChatRequest(model=model, messages=openai_tools.render_messages(msgs, tools),
                        sampling=_sampling(obj, default_max_tokens), stream=stream,
                        include_usage=include_usage, tools=tools, response_format=rf,
-                       logprobs=_logprobs(obj, chat=True))
+                       logprobs=_logprobs(obj, chat=True),
+                       tool_chat=openai_tools.native_chat(msgs, tools))
+
+
+def bad_request(exc: Any) -> BadRequest:
+    """The :class:`BadRequest` of an ``openai_tools.ToolsError``."""
+    return BadRequest(exc.message, param=exc.param, code=exc.code)
 
 
 def parse_completion_request(obj: Mapping[str, Any], *, default_max_tokens: int

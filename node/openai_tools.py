@@ -4,12 +4,15 @@ Parsing (``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format`
 with ``tool_calls`` and ``tool`` messages), rendering of tools into the prompt, the
 llama.cpp grammars that constrain the output, and parsing of the model's output into
 OpenAI ``tool_calls`` (whole answers and streams). The HTTP gateway
-(:mod:`prefixmesh.node.http_gateway`) uses it through :mod:`.openai_schema`.
+(:mod:`prefixmesh.node.http_gateway`) uses it through :mod:`.openai_schema`; errors are
+:class:`ToolsError` (a 400 naming the parameter).
 
 Rendering: the generic template
-    A model whose own chat template (GGUF ``tokenizer.chat_template``) renders tools would
-    get them through that template; the default model (SmolLM2-135M-Instruct) has none,
-    and the gateway renders tools with this generic, documented format (the widespread
+    A model whose own chat template (GGUF ``tokenizer.chat_template``) renders tools gets
+    them through that template (:func:`native_chat` gives the messages and tools it is
+    passed; ``inference/chat.py``, ``ChatRenderer.render_tools``); the default model
+    (SmolLM2-135M-Instruct) has no such template, and the gateway renders tools with this
+    generic, documented format (the widespread
     "Hermes" style that Qwen2.5 and others were trained on) into plain messages, which the
     model's template then renders as usual:
 
@@ -49,9 +52,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .openai_schema import BadRequest, _bad_type, _json_type
-
 __all__ = [
+    "ToolsError",
     "MAX_TOOLS",
     "MAX_PARALLEL_CALLS",
     "MAX_GRAMMAR_CHARS",
@@ -67,12 +69,44 @@ __all__ = [
     "parse_response_format",
     "parse_message",
     "render_messages",
+    "native_chat",
     "check_schema",
     "tool_grammar",
     "format_grammar",
     "parse_tool_calls",
     "ToolStreamParser",
 ]
+
+
+class ToolsError(ValueError):
+    """A request's tools, tool messages or response format are invalid, or cannot be
+    enforced: the gateway answers 400 with ``param`` and ``code`` (openai_schema turns it
+    into its ``BadRequest``; this module imports nothing of the gateway's)."""
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+BadRequest = ToolsError  # the name the checks below read best with
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int | float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    return "an array" if isinstance(v, list) else "an object"
+
+
+def _bad_type(param: str, want: str, value: Any) -> ToolsError:
+    return ToolsError(f"'{param}' must be {want}, not {_json_type(value)}", param=param,
+                      code="invalid_type")
 
 MAX_TOOLS = 64
 MAX_PARALLEL_CALLS = 4
@@ -376,6 +410,34 @@ def render_messages(messages: Sequence[Message], spec: ToolSpec | None
         else:
             out.insert(0, ["system", tools])
     return tuple((r, c) for r, c in out)
+
+
+def native_chat(messages: Sequence[Message], spec: ToolSpec | None
+                ) -> tuple[tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]] | None:
+    """(messages, tools) for a model whose own template renders tools (OpenAI-shaped dicts;
+    call arguments as objects, the Hugging Face convention), or None when the request has
+    no tools and no tool messages (then the plain rendering is the same)."""
+    has_tool_msgs = any(m.role == "tool" or m.tool_calls for m in messages)
+    if spec is None and not has_tool_msgs:
+        return None
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                try:
+                    args: Any = json.loads(c.arguments) if c.arguments.strip() else {}
+                except ValueError:
+                    args = c.arguments
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": args}})
+            d["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    tools = tuple(dict(t.definition) for t in spec.tools) if spec is not None else ()
+    return tuple(out), tools
 
 
 # --- schemas and grammars ---------------------------------------------------------------
