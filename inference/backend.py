@@ -96,6 +96,7 @@ class Completion:
     ttft_s: float
     total_s: float
     finish_reason: str  # "stop" | "length"
+    batched: bool = False  # decoded in a shared batch (engine batch_mode "throughput")
 
 
 @dataclass(frozen=True)
@@ -303,6 +304,13 @@ class LlamaBackend:
         before routing (``context_length_exceeded``)."""
         return getattr(self.engine, "n_ctx", None)
 
+    @property
+    def batched(self) -> bool:
+        """True when the engine decodes in shared batches ("throughput" mode): its greedy
+        output is not bit-identical to a single-sequence run (spot checks are lenient)."""
+        cfg = getattr(self.engine, "config", None)
+        return getattr(cfg, "batch_mode", "deterministic") == "throughput"
+
     async def load(self) -> None:
         from prefixmesh.inference.engine import Engine
 
@@ -441,6 +449,7 @@ class LlamaBackend:
                 ttft_s=st.ttft_s,
                 total_s=total,
                 finish_reason=completion.finish_reason,
+                batched=st.batch_mode == "throughput",
             )
         finally:
             if not handle.done:

@@ -94,6 +94,7 @@ class LocalServer:
                                     total_ms=(self.clock() - t_recv) * 1000.0,
                                     finish_reason=ev.finish_reason[: wire.MAX_SHORT_STRING],
                                     hops=trace,
+                                    batched=ev.batched,
                                 )
                             )
                             return

@@ -303,6 +303,10 @@ class Final:
     total_ms: float  # at the serving node
     finish_reason: str
     hops: tuple[Hop, ...]  # the whole route: entry first, serving node last
+    # served by continuous batching (the engine's "throughput" mode): a greedy answer may
+    # differ from a single-sequence run, so spot checks judge it leniently (key "b",
+    # omitted when False)
+    batched: bool = False
 
 
 @dataclass(frozen=True)
@@ -417,7 +421,7 @@ def _tokens_obj(frame: Tokens) -> dict[str, Any]:
 
 
 def _final_obj(frame: Final) -> dict[str, Any]:
-    return {
+    obj = {
         "t": "fin",
         "id": frame.id,
         "en": frame.entry,
@@ -430,6 +434,9 @@ def _final_obj(frame: Final) -> dict[str, Any]:
         "fr": frame.finish_reason,
         "hp": [_hop_obj(h) for h in frame.hops],
     }
+    if frame.batched:
+        obj["b"] = True
+    return obj
 
 
 def _pong_obj(frame: Pong) -> dict[str, Any]:
@@ -746,7 +753,10 @@ def _tokens_from(obj: dict) -> Tokens:
 
 
 def _final_from(obj: dict) -> Final:
-    f = _Fields(obj, "final", ("t", "id", "en", "sv", "pt", "ct", "gt", "tt", "tm", "fr", "hp"))
+    f = _Fields(obj, "final", ("t", "id", "en", "sv", "pt", "ct", "gt", "tt", "tm", "fr", "hp")
+                + (("b",) if "b" in obj else ()))
+    if "b" in obj and not f.bool("b"):
+        raise InvalidField("final.b: an unbatched answer is sent by omitting the key")
     prompt_tokens = f.int("pt", 0, MAX_PROMPT_TOKENS)
     cached = f.int("ct", 0, MAX_PROMPT_TOKENS)
     if cached > prompt_tokens:
@@ -762,6 +772,7 @@ def _final_from(obj: dict) -> Final:
         total_ms=f.float("tm", -1.0, _BIG),
         finish_reason=f.str("fr", MAX_SHORT_STRING),
         hops=_hops(f, "hp"),
+        batched="b" in obj,
     )
 
 

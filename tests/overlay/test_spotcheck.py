@@ -108,3 +108,20 @@ def test_a_peer_on_another_model_is_not_checked():
 
     runner, stats, _ = _run(observed, peer_model=b"another-model", wait_s=0.3)
     assert stats["spot_checks"] == 0 and runner.log == []
+
+
+def test_a_divergent_batched_answer_is_a_drift_not_a_mismatch():
+    """Continuous batching is not bit-identical to a single-sequence run (issue 17): a
+    FINAL that says it was batched cannot prove a peer lied, so its trust stays."""
+    import dataclasses
+
+    batched = dataclasses.replace(FINAL, batched=True)
+
+    def observed(text, ids):
+        wrong = [*ids[:2], ids[2] + 1, *ids[3:]]
+        return [Observed([text], wrong, final=batched)]
+
+    runner, stats, trust = _run(observed)
+    assert stats["spot_checks"] == 1 and stats["spot_mismatches"] == 0
+    assert stats["spot_drifts"] == 1 and runner.log[0]["kind"] == "drift"
+    assert trust.trust(PEER, 100.0) > 0.5

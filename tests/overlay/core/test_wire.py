@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import cbor2
@@ -345,3 +346,18 @@ def test_pong_context_length_is_optional_and_never_zero_on_the_wire():
         with pytest.raises(w.WireError):
             w.decode_body(cbor2.dumps({"t": "pong", "n": 1, "q": 0, "a": 0, "c": bad},
                                       canonical=True))
+
+
+def test_final_says_when_it_was_batched_and_omits_the_key_otherwise():
+    base = w.Final(id=b"i" * 16, entry=b"e", serving=b"s", prompt_tokens=3, cached_tokens=1,
+                      completion_tokens=2, ttft_ms=1.0, total_ms=2.0, finish_reason="stop",
+                      hops=())
+    assert "b" not in cbor2.loads(w.encode_frame(base)[4:])  # no "b" key when unbatched
+    batched = dataclasses.replace(base, batched=True)
+    dec = w.FrameDecoder()
+    dec.feed(w.encode_frame(batched) + w.encode_frame(base))
+    assert dec.next_frame() == batched and dec.next_frame() == base
+    body = cbor2.loads(w.encode_frame(batched)[4:])
+    body["b"] = False  # the canonical form omits it: False is refused
+    with pytest.raises(w.InvalidField, match="final.b"):
+        w.decode_body(cbor2.dumps(body, canonical=True))
