@@ -11,8 +11,11 @@ holders, decision (reason and estimates included) and routing context.
 
 from __future__ import annotations
 
+import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -93,6 +96,7 @@ class World:
     svc_mean: float
     delay_ms: float
     peers: tuple[tuple[int, int, int, float, bool], ...]  # blocks, queue, active, tps, known
+    prompt_blocks: int = PROMPT_BLOCKS
 
 
 peer_st = st.tuples(
@@ -189,7 +193,7 @@ def _node_service(sim: Simulator, world: World, records, chain: list[bytes]) -> 
 
 def _plans(world: World):
     rng = random.Random(repr(world))
-    tokens = tuple(rng.randrange(1, 50_000) for _ in range(PROMPT_BLOCKS * BLOCK_TOKENS + 5))
+    tokens = tuple(rng.randrange(1, 50_000) for _ in range(world.prompt_blocks * BLOCK_TOKENS + 5))
     sim, chain = _simulator(world, tokens)
     records = _records(sim, world, chain)
     router = sim.nodes[0]
@@ -234,3 +238,24 @@ def test_a_world_where_the_router_forwards(partitioned):
     sim_plan, node_plan = _plans(world)
     _same(sim_plan, node_plan)
     assert type(sim_plan).__name__ == "Forward"
+
+
+#: decisions recorded from a real swarm (tests/overlay/core/record_planner_trace.py: four
+#: full nodes on loopback, real digests and heartbeats, 64 requests): what each router saw
+RECORDED = json.loads(Path(__file__).with_name("planner_trace.json").read_text())["decisions"]
+
+
+def test_decisions_recorded_from_a_real_swarm_plan_alike():
+    """Each recorded decision's inputs (its prompt and local match, its load, its peers'
+    matches and digest load, the median RTT) rebuilt in both bodies: identical plans.
+    (Rebuilt, 106 of the 110 also take the action the real node took; the other 4 differ
+    by what a world cannot hold: per-peer RTTs and the node's measured prefill rate.)"""
+    kinds: Counter[str] = Counter()
+    for d in RECORDED:
+        world = World("prefixmesh", False, d["local_blocks"], d["busy"], d["svc_mean"],
+                      d["delay_ms"], tuple(tuple(p) for p in d["peers"]),
+                      prompt_blocks=d["prompt_blocks"])
+        sim_plan, node_plan = _plans(world)
+        _same(sim_plan, node_plan)
+        kinds[type(node_plan).__name__] += 1
+    assert kinds["Serve"] >= 10 and kinds["Forward"] >= 10, kinds
