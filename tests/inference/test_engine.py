@@ -30,6 +30,8 @@ from prefixmesh.inference.kvstore import encode_state_file
 
 N_CTX = 512
 GREEDY = SamplingParams(max_tokens=12)
+# where only the cache's behaviour is checked, not the output (the default is 128 tokens)
+SHORT = SamplingParams(max_tokens=4)
 
 
 def make_engine(kv_dir, **kw) -> Engine:
@@ -204,18 +206,18 @@ def test_namespaces_are_isolated_in_ram_and_on_disk(tmp_path):
     a, b = e.namespace("tenant-a", b"secret-a"), e.namespace("tenant-b", b"secret-b")
     msgs = PROMPTS[1]
     try:
-        e.chat(msgs, a)
-        assert e.chat(msgs, a).stats.hit_tier == "ram"
-        first_b = e.chat(msgs, b)
+        e.chat(msgs, a, SHORT)
+        assert e.chat(msgs, a, SHORT).stats.hit_tier == "ram"
+        first_b = e.chat(msgs, b, SHORT)
         assert first_b.stats.cached_tokens == 0 and first_b.stats.hit_tier == "none"
         assert e.store.remove(b.id, e.render_chat(msgs).tokens[:-1])  # entries hold bodies
     finally:
         e.close()  # flushes a's entry to disk
     e2 = make_engine(tmp_path)
     try:
-        c = e2.chat(msgs, b)
+        c = e2.chat(msgs, b, SHORT)
         assert c.stats.cached_tokens == 0 and c.stats.hit_tier == "none"
-        assert e2.chat(msgs, a).stats.hit_tier == "disk"
+        assert e2.chat(msgs, a, SHORT).stats.hit_tier == "disk"
     finally:
         e2.close(flush=False)
 
@@ -312,7 +314,7 @@ def test_cache_events_carry_chains(tmp_path):
     try:
         msgs = PROMPTS[7]
         toks = e.render_chat(msgs).tokens
-        e.chat(msgs, ns)
+        e.chat(msgs, ns, SHORT)
         (ev,) = events
         body = toks[:-1]  # snapshots hold all prompt tokens but the last
         assert ev.kind == "add" and ev.ns == ns.id and ev.tokens_len == len(body)
@@ -362,8 +364,8 @@ def test_queue_backpressure_and_cancellation(tmp_path):
         running = e.submit_chat(PROMPTS[3], params=SamplingParams(max_tokens=50), on_token=block)
         assert started.wait(60)
         assert e.load().active == 1
-        q1 = e.submit_chat(PROMPTS[4])
-        q2 = e.submit_chat(PROMPTS[5])
+        q1 = e.submit_chat(PROMPTS[4], params=SHORT)
+        q2 = e.submit_chat(PROMPTS[5], params=SHORT)
         assert e.load().queue_depth == 2
         with pytest.raises(EngineBusy):
             e.submit_chat(PROMPTS[6])
