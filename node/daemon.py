@@ -226,6 +226,8 @@ class Node:
         self.backend = backend or _make_backend(config, self.options)
         self.model_fp = self.backend.model_fingerprint
         self.tenants = TenantRegistry.from_specs(config.tenant_specs(), self.model_fp)
+        # PEERS answers share one reply a second and are rate-limited per peer
+        self.peers_service = PeersService(self.peers_reply)
         n_inbound = config.limits.max_inbound_per_subnet
         self.host = OverlayHost(
             self.identity, [config.node.listen],
@@ -392,8 +394,6 @@ class Node:
         if opts.digest and cfg.digest.partitions > 0:
             self.pd = self._partitioned_digest(now)
         self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
-        # PEERS answers share one reply a second and are rate-limited per peer
-        self.peers_service = PeersService(self.peers_reply)
         self.host.set_handler(wire.PEERS_PROTOCOL, self.peers_service.handle)
         # one settings value for whichever digest exchange runs (overlay/digestexchange.py)
         exchange = ExchangeSettings(
