@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -33,63 +31,16 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from adversary.digest_flood import flood  # noqa: E402
 
+from prefixmesh.bench.attack_nodes import honest_request, rss_mib, spawn_node  # noqa: E402
+
 FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
 
 
-def _rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def start_node(pythonpath: str | None) -> tuple[subprocess.Popen, str, Path]:
+    """One node with the simulated engine in a fresh temporary directory (its log there)."""
     root = Path(tempfile.mkdtemp(prefix="attack-"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    if pythonpath:  # an older tree: its own entry point and flags (the before/after figures)
-        cmd = [sys.executable, "-m", "prefixmesh.node.daemon", "--listen", "/ip4/127.0.0.1/tcp/0",
-               "--key", str(root / "node.key"), "--cache-dir", str(root / "cache"),
-               "--backend", "sim", "--no-dht", "-v"]
-    else:  # this tree: from a config file, like `prefixmesh node --config FILE`
-        from prefixmesh.bench.node_entry import write_config  # noqa: PLC0415
-
-        config = write_config(root / "node.toml", {"node": {
-            "key_file": str(root / "node.key"), "cache_dir": str(root / "cache"),
-            "mdns": False, "log_level": "info"}})
-        cmd = [sys.executable, "-m", "prefixmesh.bench.node_entry", "--config", str(config),
-               "--backend", "sim", "--no-dht"]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE, stderr=open(root / "node.log", "wb"), text=True, env=env,
-        cwd=tempfile.gettempdir())
-    addr = ""
-    for line in proc.stdout:
-        line = line.strip()
-        if line.startswith("/ip") and not addr:
-            addr = line
-        if line == "ready":
-            break
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    proc, addr = spawn_node(root, pythonpath=pythonpath)
     return proc, addr, root
-
-
-async def _honest(addr: str):
-    from prefixmesh.node.client import Client
-
-    t0 = time.perf_counter()
-    try:
-        with trio.fail_after(15):
-            async with Client.connect(addr) as c:
-                await c.ask([("user", "hello")], max_tokens=2)
-        return time.perf_counter() - t0
-    except Exception as exc:
-        return type(exc).__name__
 
 
 async def run(proc: subprocess.Popen, addr: str, window_s: float) -> dict:
@@ -107,8 +58,8 @@ async def run(proc: subprocess.Popen, addr: str, window_s: float) -> dict:
     foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trio.serve_listeners, count, listeners)
-        rss0 = _rss_mib(proc.pid)
-        quiet = [await _honest(addr) for _ in range(20)]
+        rss0 = rss_mib(proc.pid)
+        quiet = [await honest_request(addr) for _ in range(20)]
         t0 = time.monotonic()
         await flood(addr, foreign)
         attacked = []
@@ -118,11 +69,11 @@ async def run(proc: subprocess.Popen, addr: str, window_s: float) -> dict:
                     await flood(addr, foreign)
                 except Exception as exc:  # the victim may be gone already
                     attacked.append(f"flood failed: {type(exc).__name__}")
-            attacked.append(await _honest(addr))
+            attacked.append(await honest_request(addr))
         while time.monotonic() - t0 < window_s:
             await trio.sleep(0.5)
         elapsed = time.monotonic() - t0
-        after = await _honest(addr)
+        after = await honest_request(addr)
         nursery.cancel_scope.cancel()
     ok = [x for x in attacked if isinstance(x, float)]
     quiet_ok = [x for x in quiet if isinstance(x, float)]
@@ -133,7 +84,7 @@ async def run(proc: subprocess.Popen, addr: str, window_s: float) -> dict:
         "failures": sorted({x for x in attacked if not isinstance(x, float)}),
         "foreign_dials": len(dials), "window_s": round(elapsed, 1),
         "dials_per_min": round(len(dials) * 60 / elapsed, 1),
-        "rss_mib": [rss0, _rss_mib(proc.pid)], "after": after,
+        "rss_mib": [rss0, rss_mib(proc.pid)], "after": after,
         "alive": proc.poll() is None,
     }
 

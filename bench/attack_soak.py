@@ -31,11 +31,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import trio
+
+from prefixmesh.bench.attack_nodes import honest_request, open_fds, rss_mib, spawn_node
 
 ROOT = Path(__file__).resolve().parents[1]
 FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
@@ -59,43 +60,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 # --- nodes ------------------------------------------------------------------------------
 
 
-def _start_node(root: Path, name: str, backend: str, bootstrap: list[str]
-                ) -> tuple[subprocess.Popen, str]:
-    from prefixmesh.bench.node_entry import write_config
-
-    d = root / name
-    config = write_config(d / "node.toml", {"node": {
-        "key_file": str(d / "node.key"), "cache_dir": str(d / "cache"), "mdns": False,
-        "log_level": "info", "bootstrap": bootstrap}})
-    cmd = [sys.executable, "-m", "prefixmesh.bench.node_entry", "--config", str(config),
-           "--backend", backend, "--no-dht"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(d / "node.log", "wb"),
-                            text=True, cwd=tempfile.gettempdir())
-    addr = ""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.strip()
-        if line.startswith("/ip") and not addr:
-            addr = line
-        if line == "ready":
-            break
-    if not addr:
-        raise RuntimeError(f"node {name} did not start: see {d / 'node.log'}")
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    return proc, addr
-
-
 def _proc_sample(pid: int) -> tuple[float | None, int | None]:
-    rss = fds = None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) / 1024
-        fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
-    except OSError:
-        pass
-    return rss, fds
+    return rss_mib(pid), open_fds(pid)
 
 
 # --- the attacker process ---------------------------------------------------------------
@@ -145,16 +111,7 @@ async def _attack(addrs: list[str], foreign: list[str], duration_s: float) -> di
 
 
 async def _honest(addr: str) -> float | str:
-    from prefixmesh.node.client import Client
-
-    t0 = time.perf_counter()
-    try:
-        with trio.fail_after(30):
-            async with Client.connect(addr) as c:
-                await c.ask([("user", "Name a colour.")], max_tokens=4)
-        return time.perf_counter() - t0
-    except Exception as exc:  # noqa: BLE001 - a figure, not a crash
-        return f"{type(exc).__name__}: {exc}"[:100]
+    return await honest_request(addr, timeout_s=30.0, prompt="Name a colour.", max_tokens=4)
 
 
 def _phase(results: list[float | str]) -> dict:
@@ -260,7 +217,7 @@ def run_bench_attack_soak(args: argparse.Namespace) -> int:
     addrs: list[str] = []
     try:
         for i in range(args.nodes):
-            proc, addr = _start_node(root, f"n{i}", args.backend, addrs[:1])
+            proc, addr = spawn_node(root / f"n{i}", backend=args.backend, bootstrap=addrs[:1])
             procs.append(proc)
             addrs.append(addr)
         time.sleep(5.0)  # the mesh forms (bootstrap, first digests)

@@ -18,27 +18,18 @@ import trio
 from _swarm import Swarm
 from adversary.digest_flood import flood
 
-from prefixmesh.node.client import Client
+from prefixmesh.bench.attack_nodes import honest_request, rss_mib
 from prefixmesh.overlay.core import dialing
 
 FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
 N_REQUESTS = 20
 
 
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 async def _honest(addr: str) -> float:
-    t0 = time.perf_counter()
-    async with Client.connect(addr) as c:  # a fresh connection (and identity) each time
-        answer = await c.ask([("user", "hello")], max_tokens=2)
-    assert answer.final is not None and answer.final.serving is not None
-    return time.perf_counter() - t0
+    """A request on a fresh connection (and identity); it must be answered."""
+    latency = await honest_request(addr)
+    assert isinstance(latency, float), latency
+    return latency
 
 
 def test_digest_flood_with_foreign_addresses(tmp_path):
@@ -61,7 +52,7 @@ def test_digest_flood_with_foreign_addresses(tmp_path):
             foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.serve_listeners, count, listeners)
-                figures["rss_before_mib"] = _rss_mib(a.proc.pid)
+                figures["rss_before_mib"] = rss_mib(a.proc.pid)
                 quiet = [await _honest(a.addr) for _ in range(N_REQUESTS)]
                 t_attack = time.monotonic()
                 figures["flood"] = await flood(a.addr, foreign)
@@ -81,7 +72,7 @@ def test_digest_flood_with_foreign_addresses(tmp_path):
                     window_s=elapsed,
                     foreign_dials=len(dials),
                     dials_per_min=len(dials) * 60.0 / elapsed,
-                    rss_after_mib=_rss_mib(a.proc.pid),
+                    rss_after_mib=rss_mib(a.proc.pid),
                 )
                 nursery.cancel_scope.cancel()
 

@@ -18,6 +18,7 @@ import trio
 from _swarm import Swarm
 from adversary.sybil import connection_flood, peers_flood
 
+from prefixmesh.bench.attack_nodes import honest_request
 from prefixmesh.node import peers_service
 from prefixmesh.node.client import Client
 
@@ -26,11 +27,10 @@ N_IDENTITIES = 260
 
 
 async def _honest(addr: str) -> float:
-    t0 = time.perf_counter()
-    async with Client.connect(addr) as c:  # a fresh connection (and identity) each time
-        answer = await c.ask([("user", "hello")], max_tokens=2)
-    assert answer.final is not None and answer.final.serving is not None
-    return time.perf_counter() - t0
+    """A request on a fresh connection (and identity); it must be answered."""
+    latency = await honest_request(addr)
+    assert isinstance(latency, float), latency
+    return latency
 
 
 def test_connection_and_peers_floods_from_many_identities(tmp_path):
