@@ -521,8 +521,8 @@ async def _reset_quietly(stream) -> None:
 
 
 #: Benchmark-only link delay (seconds added to every frame this process sends), for
-#: machines whose kernel has no netem (``bench swarm`` sets it through the daemon's
-#: ``PREFIXMESH_LINK_DELAY_MS``). Each frame leaves ``delay`` after it was handed over,
+#: machines whose kernel has no netem (``bench swarm`` sets it through
+#: ``bench/node_entry.py --link-delay-ms``). Each frame leaves ``delay`` after it was handed over,
 #: and frames on one stream keep their order; a writer waits for its frame, so a stream
 #: carries at most one frame per ``delay`` (TTFT sees the full delay, long token streams
 #: are slowed more than by a real link). 0 in every real deployment.
