@@ -53,7 +53,7 @@ def _items(v) -> int:
     return 1
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(values)
 def test_accepts_exactly_what_is_within_bounds_and_agrees_with_cbor2(v):
     data = cbor2.dumps(v, canonical=True)
@@ -64,7 +64,7 @@ def test_accepts_exactly_what_is_within_bounds_and_agrees_with_cbor2(v):
             cbor.loads(data, max_depth=DEPTH, max_items=ITEMS)
 
 
-@settings(max_examples=200)
+@settings(max_examples=100)
 @given(values)
 def test_every_strict_prefix_and_any_trailing_byte_is_refused(v):
     data = cbor2.dumps(v, canonical=True)

@@ -527,9 +527,10 @@ def test_sim_partitioned_convergence_is_one_round_whatever_n():
 def test_sim_partitioned_idle_traffic_is_refreshes_only():
     from prefixmesh.bench.sim import measure_idle_digest  # noqa: PLC0415
 
-    quiet = measure_idle_digest(8, duration_s=100.0, partitions=64, partition_refresh_s=300.0)
+    # 60 s: the counted half (30-60 s) holds refreshes at 20 s but none at 300 s
+    quiet = measure_idle_digest(8, duration_s=60.0, partitions=64, partition_refresh_s=300.0)
     assert quiet["digest_bytes_per_node_s"] == 0.0  # no refresh falls in the counted half
-    busy = measure_idle_digest(8, duration_s=100.0, partitions=64, partition_refresh_s=20.0)
+    busy = measure_idle_digest(8, duration_s=60.0, partitions=64, partition_refresh_s=20.0)
     assert busy["digest_bytes_per_node_s"] > 0.0
 
 

@@ -288,7 +288,7 @@ def check_consistent(idx: PeerCacheIndex, ref: NaiveIndex) -> None:
     assert got == inverted
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(seq=st.lists(ops, max_size=40), cap=st.sampled_from([3, 8, MAX_HASHES_PER_PEER]))
 def test_matches_naive_reference(seq: list[tuple], cap: int) -> None:
     idx = PeerCacheIndex(max_hashes_per_peer=cap)

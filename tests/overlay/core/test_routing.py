@@ -376,7 +376,7 @@ def contexts(draw: st.DrawFn) -> RouteContext:
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(name=st.sampled_from(POLICY_NAMES), seed=st.integers(0, 2**32),
        ctxs=st.lists(contexts(), min_size=1, max_size=6))
 def test_every_policy_respects_visited_budget_and_is_deterministic(
@@ -396,7 +396,7 @@ def test_every_policy_respects_visited_budget_and_is_deterministic(
             assert f not in c.visited and f != d.peer and f != SELF
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(c=contexts(), seed=st.integers(0, 2**32))
 def test_prefixmesh_only_forwards_to_eligible_paying_candidates(c: RouteContext, seed: int) -> None:
     cfg = RoutingConfig()
@@ -649,7 +649,7 @@ _step = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(steps=st.lists(_step, min_size=1, max_size=25))
 def test_router_memory_equals_the_documented_call_sequence(steps) -> None:
     """RouterMemory.decide (what the node and the simulator call) makes exactly the
