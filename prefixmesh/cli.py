@@ -352,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
          "discrete-event simulation of a swarm (routing policies, workloads)"),
         ("swarm", "prefixmesh.bench.swarm", "run_bench_swarm",
          "real nodes on loopback under a workload trace"),
+        ("attack-slowloris", "prefixmesh.bench.attack_slowloris", "run_bench_attack_slowloris",
+         "slowloris and infer stream flood against one node (issue 14)"),
     ):
         q = bsub.add_parser(name, help=what, add_help=False, description=what)
         q.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -432,7 +434,8 @@ def _report(exc: BaseException, name: str, verbose: int) -> int:
 
 def _bench_passthrough(argv: list[str]) -> list[str]:
     """Put ``--`` after ``bench NAME`` so that every later argument passes through."""
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in ("engine", "sim", "swarm"):
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in ("engine", "sim", "swarm",
+                                                            "attack-slowloris"):
         if len(argv) == 2 or argv[2] != "--":
             return [*argv[:2], "--", *argv[2:]]
     return argv

@@ -36,11 +36,12 @@ class Figures:
         self.cut = 0  # streams the victim ended while we were still trickling
         self.held_s: list[float] = []  # how long each cut stream lasted
         self.bytes_sent = 0
+        self.errors: dict[str, int] = {}  # why opens failed
 
     def as_dict(self) -> dict:
         held = sorted(self.held_s)
         return {"opened": self.opened, "refused": self.refused, "cut": self.cut,
-                "bytes_sent": self.bytes_sent,
+                "bytes_sent": self.bytes_sent, "open_errors": self.errors,
                 "longest_held_s": round(held[-1], 2) if held else 0.0,
                 "median_held_s": round(held[len(held) // 2], 2) if held else 0.0}
 
@@ -53,8 +54,10 @@ async def _one_stream(host, peer_id, protocol: str, announced: int, gap_s: float
         try:
             with trio.fail_after(10):
                 stream = await host.new_stream(peer_id, [TProtocol(protocol)])
-        except Exception:  # noqa: BLE001 - refused, reset or timed out: try again later
+        except Exception as exc:  # noqa: BLE001 - refused, reset or timed out: retry later
             figures.refused += 1
+            why = type(exc).__name__
+            figures.errors[why] = figures.errors.get(why, 0) + 1
             await trio.sleep(gap_s)
             continue
         figures.opened += 1
