@@ -34,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -188,9 +189,10 @@ def run_bench_attack_slowloris(args: argparse.Namespace) -> int:
         os.nice(args.nice)
         print(json.dumps(trio.run(_attack, args.attacker, args)))
         return 0
-    from prefixmesh.bench.attack_digest_flood import start_node
+    from prefixmesh.bench.attack_nodes import spawn_node
 
-    proc, addr, root = start_node(args.pythonpath)
+    root = Path(tempfile.mkdtemp(prefix="attack-"))
+    proc, addr = spawn_node(root, pythonpath=args.pythonpath)
     try:
         figures = trio.run(run, addr, proc.pid, args)
         figures["alive"] = proc.poll() is None
