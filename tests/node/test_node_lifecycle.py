@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from _swarm import NodeProc, Swarm, ask, wait_until  # noqa: E402
+from _swarm import NodeProc, Swarm, ask, peers, wait_until  # noqa: E402
 
 from prefixmesh.node.client import Client, RequestFailed  # noqa: E402
 
@@ -120,6 +120,7 @@ def test_sigterm_ends_a_request_in_flight_with_an_error_frame(tmp_path):
         assert outcome.get("result") == "shutting_down", (outcome, node.log_tail())
         assert rc == 0
         assert took < STOP_BOUND_S
+        assert "Traceback" not in node.log_tail(20000)
 
 
 def test_second_node_on_a_used_port_is_refused(tmp_path):
@@ -207,7 +208,9 @@ def test_sigterm_with_a_frozen_peer_stops(tmp_path):
     with Swarm(tmp_path) as swarm:
         a = swarm.add("a")
         b = swarm.add("b", bootstrap=[a.addr])
-        time.sleep(2.0)  # heartbeats and digests flow between them
+        # heartbeats and digests flow between them: A has B up (connected)
+        wait_until(lambda: any(p.peer == b.peer_id and p.up for p in peers(a.addr).peers),
+                   20, 0.2, what="A to see B up")
         b.send_signal(signal.SIGSTOP)
         time.sleep(1.0)
         took, rc = _stop(a, signal.SIGTERM)

@@ -1,6 +1,6 @@
 """Faults with real node processes: a serving node killed mid-stream, a frozen
-(SIGSTOPped) node, graceful shutdown of a node with a request in flight (real model), and
-a flapping node (simulated engine)."""
+(SIGSTOPped) node, and a flapping node (simulated engine). Graceful shutdown of a node with
+a request in flight is tested once, in tests/node/test_node_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -113,17 +113,6 @@ def test_frozen_node_is_detected_and_routed_around(trio_swarm):
     # once thawed, B answers heartbeats again and is marked up
     wait_until(lambda: {p.peer: p for p in peers(a.addr).peers}[b.peer_id].up,
                timeout_s=30, what="A to see B up again")
-
-
-def test_sigterm_ends_in_flight_request_with_error_frame(tmp_path):
-    with Swarm(tmp_path) as s:
-        a = s.add("A")
-        text, final, error, took = _stream_with_action(
-            a.addr, STORY, lambda: a.send_signal(signal.SIGTERM), max_tokens=200)
-        assert final is None
-        assert error is not None and error.code == "shutting_down", (error, text)
-        assert a.proc.wait(20) == 0
-        assert "Traceback" not in a.log_tail(20000)
 
 
 def test_serving_node_frozen_mid_stream(trio_swarm):
