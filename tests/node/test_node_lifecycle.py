@@ -169,19 +169,6 @@ def test_cache_dir_that_is_a_file_is_a_named_error(tmp_path):
     assert "Errno" not in line
 
 
-def test_missing_key_file_is_created_and_announced(tmp_path):
-    with Swarm(tmp_path) as swarm:
-        node = swarm.add("a")
-        log = node.log_tail(20000)
-        assert f"no key file at {node.root / 'node.key'}" in log, log
-        assert f"peer id {node.peer_b58}" in log, log
-        node.terminate()
-        with Swarm(tmp_path) as again:  # the same key file now: nothing to announce
-            node2 = again.add("a")
-            assert node2.peer_b58 == node.peer_b58
-            assert node2.log_tail(20000).count("no key file at") == 1
-
-
 def test_copied_key_file_at_another_address_is_reported(tmp_path):
     with Swarm(tmp_path) as swarm:
         a = swarm.add("a")
@@ -238,18 +225,27 @@ SYSTEM = ("You are the assistant of the Harbour Town ferry office. Ferries leave
           "Answer in one short sentence.")
 
 
-def test_kv_cache_survives_a_sigterm(tmp_path):
+def test_missing_key_file_is_created_and_announced_and_kv_cache_survives_a_sigterm(tmp_path):
+    """Two facets of one start, SIGTERM and restart (each node start costs seconds): the
+    missing key file is created and announced, and reused without a word after the restart;
+    the KV cache written at the stop serves the same prompt after it."""
     messages = [("system", SYSTEM), ("user", "When is the first ferry on Saturday?")]
     with Swarm(tmp_path) as swarm:
         node = swarm.add("a")
+        log = node.log_tail(20000)
+        assert f"no key file at {node.root / 'node.key'}" in log, log
+        assert f"peer id {node.peer_b58}" in log, log
         first = ask(node.addr, messages, max_tokens=4)
         assert first.final.cached_tokens == 0
         took, rc = _stop(node, signal.SIGTERM)
         assert rc == 0 and took < STOP_BOUND_S
     with Swarm(tmp_path) as swarm:  # same key, same cache directory
-        node = swarm.add("a")
-        again = ask(node.addr, messages, max_tokens=4)
-        assert again.final.cached_tokens > 0, node.log_tail()
+        node2 = swarm.add("a")
+        # the same key file now: nothing to announce
+        assert node2.peer_b58 == node.peer_b58
+        assert node2.log_tail(20000).count("no key file at") == 1
+        again = ask(node2.addr, messages, max_tokens=4)
+        assert again.final.cached_tokens > 0, node2.log_tail()
         assert again.text == first.text  # greedy: a restored state answers the same
 
 
