@@ -9,7 +9,8 @@ the real default model) on 127.0.0.1.
   a loaded 2-core machine and short enough to catch the old hang (it never exited);
   measured durations are printed (``-s``) and recorded in docs/OPERATIONS.md.
 - A fixed listen port that another node holds, a key file or a cache directory another
-  node holds, and a cache directory that is a file: each a one-line error, exit code 1.
+  node holds (one holder node for the three), and a cache directory that is a file: each a
+  one-line error, exit code 1.
 - A copy of a node's key file at another address is reported as an ERROR naming both
   addresses; a missing key file is replaced with a new identity *and says so*.
 """
@@ -123,21 +124,18 @@ def test_sigterm_ends_a_request_in_flight_with_an_error_frame(tmp_path):
         assert "Traceback" not in node.log_tail(20000)
 
 
-def test_second_node_on_a_used_port_is_refused(tmp_path):
+def test_second_node_on_a_used_port_key_file_or_cache_dir_is_refused(tmp_path):
+    """One running node; a second one on its port, its key file, its cache directory."""
     port = _free_port()
     listen = f"/ip4/127.0.0.1/tcp/{port}"
     with Swarm(tmp_path) as swarm:
         first = swarm.add("a", listen=listen)
-        proc = _refused(tmp_path, "b", listen=listen)
+        proc = _refused(tmp_path, "p", listen=listen)
         assert proc.returncode == 1, proc.stderr
         lines = _error_lines(proc.stderr)
         assert len(lines) == 1 and f"TCP port {port} is already in use" in lines[0], proc.stderr
         assert first.proc.poll() is None  # the first node is untouched
 
-
-def test_second_node_on_a_used_key_file_or_cache_dir_is_refused(tmp_path):
-    with Swarm(tmp_path) as swarm:
-        first = swarm.add("a")
         key, cache = first.root / "node.key", first.root / "cache"
         pid = str(first.proc.pid)
 
