@@ -502,7 +502,7 @@ def test_fuzz_mutated_record(flips, cut, insert):
     _decode_or_digest_error(raw)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.recursive(
         st.none()

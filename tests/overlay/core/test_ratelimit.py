@@ -156,7 +156,7 @@ def test_eviction_is_lru_and_only_partial_buckets_count():
 calls = st.lists(st.tuples(st.sampled_from(PEERS), times, costs), max_size=120)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(rates, bursts, calls)
 def test_matches_exact_reference(rate, burst, seq):
     lim = PeerRateLimiter(rate, burst)

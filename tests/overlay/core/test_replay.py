@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prefixmesh.overlay.core.replay import FULL, NEW, REPLAY, ReplayWindow
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(cap=st.integers(1, 6),
        ops=st.lists(st.tuples(st.integers(0, 8), st.floats(0, 50), st.floats(0, 5)),
                     max_size=60))

@@ -134,7 +134,7 @@ def test_random_bytes_only_raise_wire_error(data):
         pass
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(frames, st.data())
 def test_mutated_frames_only_raise_wire_error(frame, data):
     buf = bytearray(w.encode_frame(frame))
