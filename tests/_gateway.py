@@ -194,10 +194,15 @@ def _free_port() -> int:
 class HttpNode:
     """A node process with its HTTP gateway on a free loopback port."""
 
-    def __init__(self, swarm: Swarm, name: str, **kwargs):
+    def __init__(self, swarm: Swarm, name: str, *, api_key: str | None = None, **kwargs):
+        """``api_key``: the gateway-wide key (then every request sends it, ``headers``);
+        without one the gateway serves only the public tenant over HTTP."""
         self.port = _free_port()
+        self.api_key = api_key
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         cfg = swarm.root / f"{name}.toml"
-        cfg.write_text(f'[http]\nlisten = "127.0.0.1:{self.port}"\n'
+        key_line = f'api_key = "{api_key}"\n' if api_key else ""
+        cfg.write_text(f'[http]\nlisten = "127.0.0.1:{self.port}"\n{key_line}'
                        '[tenants.public]\nvisibility = "public"\n'
                        f'[tenants.team]\nsecret = "{TEAM_SECRET}"\n')
         self.proc: NodeProc = swarm.add(name, extra=["--config", str(cfg)], n_ctx=4096,
@@ -206,7 +211,9 @@ class HttpNode:
         self.name = name
 
     def client(self) -> OpenAI:
-        return OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0,
+                      timeout=120)
 
     def status(self) -> dict:
-        return httpx.get(self.url + "/prefixmesh/status", timeout=10).json()
+        return httpx.get(self.url + "/prefixmesh/status", headers=self.headers,
+                         timeout=10).json()

@@ -22,6 +22,7 @@ SHARED = (
     "sentence. The catalogue holds books about astronomy, botany, chemistry, geology, "
     "history, linguistics, mathematics, music theory, oceanography and zoology. "
 ) * 6
+SWARM_KEY = "swarm-test-key"
 COUNTING = (
     "The following is a list of integers written by a careful clerk who never stops. "
     "Each number is followed by a comma and a space. "
@@ -30,9 +31,11 @@ COUNTING = (
 def nodes(tmp_path_factory):
     root = tmp_path_factory.mktemp("gwswarm")
     with Swarm(root) as s:
-        a = HttpNode(s, "A")
-        b = HttpNode(s, "B", bootstrap=[a.proc.addr])
-        c = HttpNode(s, "C", bootstrap=[a.proc.addr])
+        # a gateway-wide key: the team tenant is private, and over HTTP a private tenant
+        # needs a key (issue 14, finding 4)
+        a = HttpNode(s, "A", api_key=SWARM_KEY)
+        b = HttpNode(s, "B", bootstrap=[a.proc.addr], api_key=SWARM_KEY)
+        c = HttpNode(s, "C", bootstrap=[a.proc.addr], api_key=SWARM_KEY)
         wait_until(lambda: all(sum(p.up for p in peers(n.proc.addr).peers) == 2
                                for n in (a, b, c)),
                    timeout_s=30, what="every node to see the two others up")
@@ -136,13 +139,14 @@ def test_completions_and_errors_on_a_real_node(nodes):
     assert resp.choices[0].text
     assert resp.usage.completion_tokens == 5 and resp.choices[0].finish_reason == "length"
     url = c.url + "/v1/chat/completions"
-    assert httpx.post(url, content=b"{oops").status_code == 400
-    assert httpx.post(url, json={"model": "x", "messages": [
+    h = c.headers
+    assert httpx.post(url, content=b"{oops", headers=h).status_code == 400
+    assert httpx.post(url, headers=h, json={"model": "x", "messages": [
         {"role": "user", "content": "hi"}]}).status_code == 404
-    assert httpx.post(url, json={"model": "prefixmesh", "messages": [
+    assert httpx.post(url, headers=h, json={"model": "prefixmesh", "messages": [
         {"role": "user", "content": "hi"}], "max_tokens": "many"}).status_code == 400
     big = {"model": "prefixmesh", "messages": [{"role": "user", "content": "x" * 2_000_000}]}
-    assert httpx.post(url, json=big, timeout=30).status_code == 413
+    assert httpx.post(url, json=big, headers=h, timeout=30).status_code == 413
     # stop sequence on the real model: text cut before it, generation ended
     resp = c.client().completions.create(model="prefixmesh", prompt="1, 2, 3, 4, 5,",
                                          max_tokens=40, temperature=0, stop=[" 9,"])
@@ -176,7 +180,8 @@ def test_disconnect_mid_stream_cancels_generation_on_the_serving_node(nodes):
                        "temperature": 0, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", entry.port), timeout=60)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: "
+                 + f"Authorization: Bearer {SWARM_KEY}\r\n".encode()
+                 + b"Content-Type: application/json\r\nContent-Length: "
                  + str(len(body)).encode() + b"\r\n\r\n" + body)
     got = b""
     while got.count(b"data: ") < 10:
@@ -209,7 +214,7 @@ def test_disconnect_mid_stream_cancels_generation_on_the_serving_node(nodes):
 def test_tenant_header_selects_an_isolated_namespace(nodes):
     ns, _ = nodes
     b = ns["B"]
-    team = OpenAI(base_url=b.url + "/v1", api_key="none", max_retries=0, timeout=120,
+    team = OpenAI(base_url=b.url + "/v1", api_key=SWARM_KEY, max_retries=0, timeout=120,
                   default_headers={"x-prefixmesh-tenant": "team"})
     messages = [{"role": "system", "content": SHARED},
                 {"role": "user", "content": "Which shelf holds chemistry?"}]
@@ -226,6 +231,7 @@ def test_tenant_header_selects_an_isolated_namespace(nodes):
     again = team.chat.completions.create(model="prefixmesh", max_tokens=3, temperature=0,
                                          messages=messages)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
-    r = httpx.post(b.url + "/v1/chat/completions", headers={"x-prefixmesh-tenant": "nope"},
+    r = httpx.post(b.url + "/v1/chat/completions",
+                   headers={**b.headers, "x-prefixmesh-tenant": "nope"},
                    json={"model": "prefixmesh", "messages": messages})
     assert r.status_code == 404 and r.json()["error"]["code"] == "tenant_not_found"
