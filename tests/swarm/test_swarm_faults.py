@@ -31,6 +31,17 @@ def trio_swarm(tmp_path):
         yield s
 
 
+def _seen_idle(entry, holder) -> None:
+    """Wait until the entry's view of the holder's load (heartbeat PONGs) shows it idle
+    again after the previous request (load figures steer routing too)."""
+
+    def idle() -> bool:
+        info = {p.peer: p for p in peers(entry.addr).peers}.get(holder.peer_id)
+        return info is not None and info.up and info.active == 0 and info.queue_depth == 0
+
+    wait_until(idle, timeout_s=10, interval_s=0.2, what=f"{entry.name} to see {holder.name} idle")
+
+
 def _warm_b_and_wait(swarm):
     a, b = swarm.nodes[0], swarm.nodes[1]
     wait_until(lambda: b.peer_id in {p.peer for p in peers(a.addr).peers if p.up},
@@ -45,7 +56,7 @@ def _warm_b_and_wait(swarm):
             info.n_hashes >= before + first.final.prompt_tokens // 16 - 1
 
     wait_until(a_knows, timeout_s=20, what="A to learn B's prefix")
-    time.sleep(1.0)  # heartbeats report B idle again (load figures steer routing too)
+    _seen_idle(a, b)
 
 
 def _stream_with_action(addr, messages, action, *, deadline_s=40.0, max_tokens=64):

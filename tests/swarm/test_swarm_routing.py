@@ -3,8 +3,6 @@ discovered through gossip, and requests are forwarded to the node holding their 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
 
@@ -19,6 +17,17 @@ SHARED = (
 
 def _prompt(question: str, system: str = SHARED):
     return [("system", system), ("user", question)]
+
+
+def _seen_idle(entry, holder) -> None:
+    """Wait until the entry's view of the holder's load (heartbeat PONGs) shows it idle
+    again after the previous request (load figures steer routing too)."""
+
+    def idle() -> bool:
+        info = {p.peer: p for p in peers(entry.addr).peers}.get(holder.peer_id)
+        return info is not None and info.up and info.active == 0 and info.queue_depth == 0
+
+    wait_until(idle, timeout_s=10, interval_s=0.2, what=f"{entry.name} to see {holder.name} idle")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +88,7 @@ def test_request_forwarded_to_the_node_holding_its_prefix(swarm):
         return info is not None and info.n_hashes >= before + first.final.prompt_tokens // 16 - 1
 
     wait_until(a_knows_b_holds_it, timeout_s=20, what="A to learn B's new prefix")
-    time.sleep(1.0)  # heartbeats report B idle again (load figures steer routing too)
+    _seen_idle(a, b)
     second = ask(a.addr, _prompt("Which shelf holds geology?", long_system), max_tokens=4)
     fin = second.final
     assert fin.serving == b.peer_id, [h.reason for h in fin.hops]
