@@ -181,6 +181,21 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
     return int(fetch(args) or 0)
 
 
+#: ``prefixmesh bench NAME``: (name, module, function, what it measures)
+BENCHMARKS = (
+    ("engine", "prefixmesh.inference.bench_engine", "run_bench_engine",
+     "engine benchmark: prefix reuse vs cold prefill on one node"),
+    ("sim", "prefixmesh.bench.sim", "run_bench_sim",
+     "discrete-event simulation of a swarm (routing policies, workloads)"),
+    ("swarm", "prefixmesh.bench.swarm", "run_bench_swarm",
+     "real nodes on loopback under a workload trace"),
+    ("attack-slowloris", "prefixmesh.bench.attack_slowloris", "run_bench_attack_slowloris",
+     "slowloris and infer stream flood against one node (issue 14)"),
+    ("attack-soak", "prefixmesh.bench.attack_soak", "run_bench_attack_soak",
+     "every outside attack at once against a small mesh, 10 minutes (issue 14)"),
+)
+
+
 def _bench(module: str, func: str, name: str) -> Callable[[argparse.Namespace], int]:
     """A pass-through handler for ``bench NAME ARGS...``.
 
@@ -345,16 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "prefixmesh bench NAME --help.")
     bsub = p.add_subparsers(dest="bench_command", metavar="NAME", parser_class=_Parser)
     bsub.required = True
-    for name, module, func, what in (
-        ("engine", "prefixmesh.inference.bench_engine", "run_bench_engine",
-         "engine benchmark: prefix reuse vs cold prefill on one node"),
-        ("sim", "prefixmesh.bench.sim", "run_bench_sim",
-         "discrete-event simulation of a swarm (routing policies, workloads)"),
-        ("swarm", "prefixmesh.bench.swarm", "run_bench_swarm",
-         "real nodes on loopback under a workload trace"),
-        ("attack-slowloris", "prefixmesh.bench.attack_slowloris", "run_bench_attack_slowloris",
-         "slowloris and infer stream flood against one node (issue 14)"),
-    ):
+    for name, module, func, what in BENCHMARKS:
         q = bsub.add_parser(name, help=what, add_help=False, description=what)
         q.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS")
         q.set_defaults(handler=_bench(module, func, name))
@@ -434,8 +440,7 @@ def _report(exc: BaseException, name: str, verbose: int) -> int:
 
 def _bench_passthrough(argv: list[str]) -> list[str]:
     """Put ``--`` after ``bench NAME`` so that every later argument passes through."""
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in ("engine", "sim", "swarm",
-                                                            "attack-slowloris"):
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in {b[0] for b in BENCHMARKS}:
         if len(argv) == 2 or argv[2] != "--":
             return [*argv[:2], "--", *argv[2:]]
     return argv

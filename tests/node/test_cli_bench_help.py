@@ -19,7 +19,15 @@ EXPECTED = {
     "engine": ("--json", "--runs", "--prefix-lengths"),
     "sim": ("--json",),
     "swarm": ("--json",),
+    "attack-slowloris": ("--duration",),
+    "attack-soak": ("--minutes", "--nodes"),
 }
+
+
+def test_every_registered_benchmark_is_checked():
+    from prefixmesh import cli
+
+    assert {b[0] for b in cli.BENCHMARKS} == set(EXPECTED)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
