@@ -105,6 +105,7 @@ from prefixmesh.inference.core.radix import RadixTree
 from prefixmesh.node.config import DigestSection
 from prefixmesh.overlay.core import antientropy as _ae_mod
 from prefixmesh.overlay.core import digest as _digest_mod
+from prefixmesh.overlay.core import partition as _partition_mod
 from prefixmesh.overlay.core.digest import LoadFigures
 from prefixmesh.overlay.core.identity import Identity
 from prefixmesh.overlay.core.partition import (
@@ -124,6 +125,7 @@ from prefixmesh.overlay.core.partition import (
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 from prefixmesh.overlay.core.planner import (
     Forward,
+    FrozenPeers,
     FullView,
     LookUp,
     PartitionedView,
@@ -271,6 +273,37 @@ def memoised_record_decoding(maxsize: int = 1 << 20) -> Iterator[None]:
     finally:
         _ae_mod.decode_record = original_decode
         _digest_mod.verify_with_public_key = original_verify
+
+
+@contextlib.contextmanager
+def memoised_partition_homes() -> Iterator[None]:
+    """Memoise ``partition_homes`` for one run: it is a pure function of (partition,
+    member set, replicas), and every simulated node computes the same homes for the same
+    membership (each node caches its own, so without this N nodes pay N x P rendezvous
+    rankings over all N members)."""
+    original = _partition_mod.partition_homes
+    memo: dict[tuple, list[bytes]] = {}
+    # each node passes its own (equal) member set: map each set object to one token by
+    # identity (the set is kept alive with it), so equal sets are compared once
+    tokens: dict[frozenset, int] = {}
+    by_id: dict[int, tuple[frozenset, int]] = {}
+
+    def homes(p, nodes, replicas):
+        members = nodes if isinstance(nodes, frozenset) else frozenset(nodes)
+        known = by_id.get(id(members))
+        if known is None or known[0] is not members:
+            known = by_id[id(members)] = (members, tokens.setdefault(members, len(tokens)))
+        key = (p, known[1], replicas)
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = original(p, members, replicas)
+        return list(got)
+
+    _partition_mod.partition_homes = homes
+    try:
+        yield
+    finally:
+        _partition_mod.partition_homes = original
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -436,7 +469,7 @@ class Simulator:
         self.all_pids = tuple(n.pid for n in self.nodes)
         link = PeerLink(rtt_s=self.rtt_s)
         for n in self.nodes:
-            n.links = {p: link for p in self.all_pids if p != n.pid}
+            n.links = FrozenPeers({p: link for p in self.all_pids if p != n.pid})
         self.entry_counter = 0
         # metrics
         self.m_ttft: list[float] = []
@@ -566,8 +599,9 @@ class Simulator:
 
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
+        cpu0 = time.process_time()
         cfg = self.cfg
-        with memoised_record_decoding():
+        with memoised_record_decoding(), memoised_partition_homes():
             if cfg.nodes > 1:
                 for n in self.nodes:
                     self._push(self.rng_gossip.uniform(0, cfg.gossip_interval_s), _EV_GOSSIP, n)
@@ -596,6 +630,7 @@ class Simulator:
                 self.now = t
                 self._dispatch(kind, a, b)
         wall = time.perf_counter() - wall0
+        self.cpu_seconds = time.process_time() - cpu0
         return self._result(wall)
 
     def _dispatch(self, kind: int, a: object, b: object) -> None:
@@ -955,6 +990,7 @@ class Simulator:
         hit = self.m_reused / self.m_prompt if self.m_prompt else 0.0
         ideal = wl.ideal_hit_ratio()
         total_bytes = sum(nd.bytes_sent for nd in self.nodes)
+        cpu = getattr(self, "cpu_seconds", 0.0)
         metrics = {
             "hit_ratio": hit,
             "ideal_hit_ratio": ideal,
@@ -978,6 +1014,8 @@ class Simulator:
             "forwarded_to_liars": self.m_to_liar,
             "liars": sum(1 for nd in self.nodes if nd.liar),
             "requests_per_wall_minute": self.m_done / wall * 60.0 if wall > 0 else 0.0,
+            # the same per CPU minute of this process (the machine may be shared)
+            "requests_per_cpu_minute": self.m_done / cpu * 60.0 if cpu > 0 else 0.0,
         }
         conf = asdict(cfg)
         conf["routing"] = asdict(self.routing)
@@ -1029,7 +1067,7 @@ def measure_convergence(
     if partitions:
         return _partition_convergence(sim, nodes, fanout, interval_s, seed, max_intervals)
     wall0 = time.perf_counter()
-    with memoised_record_decoding():
+    with memoised_record_decoding(), memoised_partition_homes():
         # Warm-up by pre-seeding: every node receives every other node's current signed
         # records through AntiEntropy.receive, i.e. the converged state gossip reaches
         # after O(log N) rounds, without paying for those rounds at N=1024.
@@ -1113,7 +1151,7 @@ def _partition_convergence(
 ) -> dict:
     """measure_convergence with partitioned digests: until every home indexes the prefix."""
     wall0 = time.perf_counter()
-    with memoised_record_decoding():
+    with memoised_record_decoding(), memoised_partition_homes():
         for n in sim.nodes:
             sim._push(sim.rng_gossip.uniform(0, interval_s), _EV_GOSSIP, n)
         rng = random.Random(seed + 1)
@@ -1188,7 +1226,7 @@ def measure_idle_digest(
     sim = Simulator(wl, cfg)
     wall0 = time.perf_counter()
     rng = random.Random(seed + 2)
-    with memoised_record_decoding():
+    with memoised_record_decoding(), memoised_partition_homes():
         for n in sim.nodes if partitions else ():
             # partitioned: nothing to pre-seed, the first pushes go out in the first round
             # (the first half of the run, not counted)

@@ -534,6 +534,10 @@ class PartitionedDigest:
         """Peers whose load figures we know (ourselves excluded)."""
         return [p for p in self._estimates if p != self.peer_id]
 
+    def priced_peers(self) -> Iterable[bytes]:
+        """Every peer :meth:`load_of` answers for (ourselves included): a live view."""
+        return self._estimates.keys()
+
     def held_bytes(self) -> int:
         return sum(ae.held_bytes() for ae in self.streams.values())
 

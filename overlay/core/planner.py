@@ -42,8 +42,9 @@ Pure code: no IO, no clock (``now`` is passed in), randomness only inside the po
 
 from __future__ import annotations
 
+import bisect
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,6 +65,7 @@ from .routing import (
 
 __all__ = [
     "DEFAULT_RTT_S",
+    "FrozenPeers",
     "LOCAL",
     "LOOKUP_HOMES",
     "MAX_CARRIED_HOLDERS",
@@ -127,6 +129,8 @@ class CacheView(Protocol):
 class FullView:
     """Full replication: every peer's records are in one :class:`PeerCacheIndex`."""
 
+    vouches_all = False  # vouches() reads the index per peer
+
     def __init__(self, index: PeerCacheIndex, model: bytes) -> None:
         self.index = index
         self.model = model
@@ -153,6 +157,8 @@ class FullView:
 class PartitionedView:
     """Partial replication: a home's own partition index, else the carried holder list,
     else a cached lookup answer (``PartitionedDigest.known_matches``)."""
+
+    vouches_all = True  # vouches() is True for every peer
 
     def __init__(self, pd: PartitionedDigest, members: Callable[[], Iterable[bytes]]) -> None:
         self.pd = pd
@@ -185,6 +191,10 @@ class PartitionedView:
     def known_peers(self) -> list[bytes]:
         return self.pd.known_peers()
 
+    def priced_peers(self) -> Iterable[bytes]:
+        """Exactly the peers whose ``load_of`` is not None (ourselves possibly included)."""
+        return self.pd.priced_peers()
+
 
 # ---------------------------------------------------------------------------- inputs
 
@@ -203,6 +213,52 @@ class PeerLink:
     load: float | None = None  # queued + running from a fresh PONG; None: use the digest's
     addrs: tuple[str, ...] = ()  # addresses of our live connection (the subnet cap)
     context_tokens: int | None = None  # the peer's context length (its PONG); None: not said
+
+
+class FrozenPeers(dict):
+    """An immutable ``PlanInput.peers`` that keeps what the planner derives from the peer
+    set: a caller whose peers do not change between requests (the simulator: every node
+    up, one link away) builds it once and the planner skips its per-peer scans. Plans are
+    the same as with a plain mapping of the same links (a plain ``dict`` is what the node
+    passes). A ``dict`` (C-speed reads) whose mutators raise ``TypeError``."""
+
+    __slots__ = ("ids", "sorted_ids", "loaded", "limited")
+
+    def __init__(self, links: Mapping[bytes, PeerLink]) -> None:
+        super().__init__(links)
+        self.ids = frozenset(self)
+        self.sorted_ids = tuple(sorted(self))
+        self.loaded = frozenset(p for p, link in self.items() if link.load is not None)
+        self.limited = tuple((p, link.context_tokens) for p, link in self.items()
+                             if link.context_tokens is not None)
+
+    def _immutable(self, *args, **kwargs):
+        raise TypeError("FrozenPeers is immutable")
+
+    __setitem__ = __delitem__ = __ior__ = _immutable
+    update = pop = popitem = clear = setdefault = _immutable
+
+
+class _AllBut:
+    """The eligible peers as ``ids`` minus a few ``excluded`` ones (a subset of ``ids``),
+    without copying ``ids``: what :meth:`Planner._eligible` returns for
+    :class:`FrozenPeers`."""
+
+    __slots__ = ("ids", "excluded")
+
+    def __init__(self, ids: frozenset[bytes], excluded: frozenset[bytes]) -> None:
+        self.ids = ids
+        self.excluded = excluded
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self.ids and peer not in self.excluded
+
+    def __len__(self) -> int:
+        return len(self.ids) - len(self.excluded)
+
+    def __iter__(self) -> Iterator[bytes]:
+        excluded = self.excluded
+        return (p for p in self.ids if p not in excluded)
 
 
 @dataclass(frozen=True)
@@ -291,6 +347,21 @@ def carry_list(known: Mapping[bytes, int]) -> tuple[tuple[bytes, int], ...]:
     return tuple((p, b) for p, b in ranked[:MAX_CARRIED_HOLDERS] if b > 0)
 
 
+def _sorted_pool(peers: Mapping[bytes, PeerLink],
+                 eligible: Collection[bytes]) -> tuple[bytes, ...]:
+    """``tuple(sorted(eligible))``; from a :class:`FrozenPeers`' sorted ids when only a
+    few peers are left out (``eligible`` is a subset of ``peers``)."""
+    if isinstance(peers, FrozenPeers) and len(peers) - len(eligible) <= 16:
+        ids = peers.sorted_ids
+        out = list(ids)
+        left_out = (eligible.excluded if isinstance(eligible, _AllBut)
+                    else peers.ids.difference(eligible))  # fmt: skip
+        for p in sorted(left_out, reverse=True):
+            del out[bisect.bisect_left(ids, p)]
+        return tuple(out)
+    return tuple(sorted(eligible))
+
+
 # ---------------------------------------------------------------------------- planner
 
 
@@ -324,7 +395,7 @@ class Planner:
             rates = sorted(c.prefill_tps for c in candidates if c.prefill_tps > 0)
             if rates:
                 local_tps = rates[len(rates) // 2]
-        pool = tuple(sorted(eligible)) if inp.all_peers is None else inp.all_peers
+        pool = _sorted_pool(inp.peers, eligible) if inp.all_peers is None else inp.all_peers
         ctx, decision = self.memory.decide(
             self.policy, now=now, chain=inp.chain, prompt_tokens=inp.prompt_tokens,
             local_matched_tokens=min(inp.local_matched_tokens, inp.prompt_tokens),
@@ -362,8 +433,13 @@ class Planner:
         homes = tuple(live[:LOOKUP_HOMES])
         return {}, None, LookUp("partition lookup", homes, tuple(counters))
 
-    def _eligible(self, inp: PlanInput) -> set[bytes]:
+    def _eligible(self, inp: PlanInput) -> Collection[bytes]:
         visited, me, vouches = inp.visited, self.me, self.view.vouches
+        peers = inp.peers
+        if isinstance(peers, FrozenPeers) and getattr(self.view, "vouches_all", False):
+            # the same set, from the cached id set (set operations, no per-peer calls)
+            unfit = [p for p, ctx in peers.limited if not fits_context(inp.prompt_tokens, ctx)]
+            return _AllBut(peers.ids, peers.ids.intersection({me, *visited, *unfit}))
         return {p for p, link in inp.peers.items() if p != me and p not in visited
                 and vouches(p) and fits_context(inp.prompt_tokens, link.context_tokens)}
 
@@ -401,11 +477,11 @@ class Planner:
         # a few unmatched peers, drawn at random, let the policy shed load (the power of
         # two choices: the cost model picks the lighter; "least loaded first" herds every
         # router onto the same peers while load figures are seconds old)
-        loads = {p: known for p in eligible if p not in matches
-                 and (known := self._load(inp, p)) is not None}  # fmt: skip
-        pool = sorted(loads)
+        pool = self._shed_pool(inp, matches, eligible)
         for peer in self.rng.sample(pool, min(MAX_SHED_CANDIDATES, len(pool))):
-            out.append(self._candidate(inp, peer, 0, loads[peer]))
+            known = self._load(inp, peer)
+            assert known is not None  # the pool holds priced peers only
+            out.append(self._candidate(inp, peer, 0, known))
         if inp.subnets is not None and out:
             # Sybil basics: many identities behind one subnet count as few candidates;
             # the most trusted, longest claims of each subnet are kept
@@ -416,6 +492,24 @@ class Planner:
                 keep = {c.peer for c in kept}
                 out = [c for c in out if c.peer in keep]
         return out
+
+    def _shed_pool(self, inp: PlanInput, matches: Mapping[bytes, int],
+                   eligible: Collection[bytes]) -> list[bytes]:
+        """The eligible, unmatched peers with a load figure (``_load`` not None), sorted."""
+        priced = getattr(self.view, "priced_peers", None)
+        if isinstance(inp.peers, FrozenPeers) and priced is not None:
+            # _load is not None exactly for a PONG figure or a digest figure
+            pool = set(priced())
+            pool |= inp.peers.loaded
+            pool &= inp.peers.ids
+            if isinstance(eligible, _AllBut):
+                pool -= eligible.excluded
+            else:
+                pool &= eligible
+            pool.difference_update(matches)
+            return sorted(pool)
+        return sorted(p for p in eligible if p not in matches
+                      and self._load(inp, p) is not None)  # fmt: skip
 
     def _action(self, inp: PlanInput, ctx: RouteContext, decision: Decision, carry,
                 counters: tuple[str, ...]) -> Plan:

@@ -270,6 +270,10 @@ def _with_recent_placed(c: Candidate, value: float) -> Candidate:
     """``replace(c, recent_placed=value)`` without re-validating the fields ``c`` already
     passed (the simulator builds millions of these; only the new value is checked)."""
     _finite_nonneg(value, "candidate recent_placed", InvalidRouteContext)
+    old = c.recent_placed
+    if (type(old) is float and type(value) is float and old == value
+            and math.copysign(1.0, old) == math.copysign(1.0, value)):
+        return c  # the same value (most candidates: never placed at): no copy
     new = object.__new__(Candidate)
     fields = new.__dict__
     fields.update(c.__dict__)
