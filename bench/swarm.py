@@ -80,6 +80,10 @@ __all__ = [
 ]
 
 NODE_START_TIMEOUT_S = 90.0
+#: the churn-mode options (left out of the result's config when churn mode is off)
+CHURN_FIELDS = ("churn", "churn_minutes", "churn_pre_s", "churn_post_s", "churn_interval_s",
+                "churn_down_s", "churn_attempt_timeout_s", "churn_attempts", "churn_baseline",
+                "churn_idle_s", "start_batch")
 MESH_TIMEOUT_S = 60.0
 #: token ids of the synthetic fallback stay below this (SmolLM2's vocabulary is 49,152)
 SYNTHETIC_VOCAB = 32_000
@@ -111,12 +115,39 @@ class SwarmBenchConfig:
     drain_s: float = 120.0
     keep: bool = False  # keep the temporary folder (node logs)
     netns: bool = True  # try a network namespace
+    # churn mode (``--churn F``; 0 = off: the policy comparison above, unchanged)
+    churn: float = 0.0  # fraction of the nodes that are cycled (kill -9 / SIGSTOP)
+    churn_minutes: float = 10.0  # length of the churn phase
+    churn_pre_s: float = 60.0  # phase before churn
+    churn_post_s: float = 90.0  # phase after churn
+    churn_interval_s: float = 15.0  # seconds between churn events (round-robin over victims)
+    churn_down_s: float = 20.0  # pause before restart (kill -9) or SIGCONT (SIGSTOP)
+    churn_attempt_timeout_s: float = 20.0  # the client gives up on an entry after this
+    churn_attempts: int = 6  # entries a request tries before it counts as lost
+    churn_baseline: bool = True  # also run the same replay without churn (hit-ratio reference)
+    churn_idle_s: float = 30.0  # idle window after the replay: membership + digest bytes
+    start_batch: int = 8  # churn mode: node processes started in parallel
+
+    def churn_fields_default(self) -> bool:
+        d = SwarmBenchConfig()
+        return all(getattr(self, f) == getattr(d, f) for f in CHURN_FIELDS)
 
     def validate(self) -> None:
         from .policies import POLICY_NAMES  # noqa: PLC0415
 
-        if not 1 <= self.nodes <= 16:
-            raise SwarmBenchError(f"--nodes must be 1..16, got {self.nodes}")
+        max_nodes = 64 if self.churn > 0 else 16
+        if not 1 <= self.nodes <= max_nodes:
+            raise SwarmBenchError(f"--nodes must be 1..{max_nodes}, got {self.nodes}")
+        if not 0 <= self.churn < 1:
+            raise SwarmBenchError(f"--churn must be in [0, 1), got {self.churn}")
+        if self.churn > 0:
+            if self.nodes < 3:
+                raise SwarmBenchError("--churn needs at least 3 nodes")
+            if min(self.churn_minutes, self.churn_interval_s, self.churn_down_s,
+                   self.churn_attempt_timeout_s) <= 0 or self.churn_attempts < 1:
+                raise SwarmBenchError("churn durations and --churn-attempts must be > 0")
+            if self.churn_down_s >= self.churn_minutes * 60:
+                raise SwarmBenchError("--churn-down must be shorter than the churn phase")
         if self.requests < 1:
             raise SwarmBenchError(f"--requests must be >= 1, got {self.requests}")
         if not self.policies:
@@ -204,7 +235,7 @@ class NodeProcess:
 
     def __init__(self, root: Path, index: int, cfg: SwarmBenchConfig, policy: str,
                  model_path: Path, bootstrap: Sequence[str] = (), *,
-                 link_delay_ms: float = 0.0):
+                 link_delay_ms: float = 0.0, listen: str = "/ip4/127.0.0.1/tcp/0"):
         from .node_entry import write_config  # noqa: PLC0415
 
         self.index = index
@@ -212,7 +243,7 @@ class NodeProcess:
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_path = self.root / "node.log"
         config = write_config(self.root / "node.toml", {
-            "node": {"listen": "/ip4/127.0.0.1/tcp/0", "key_file": str(self.root / "node.key"),
+            "node": {"listen": listen, "key_file": str(self.root / "node.key"),
                      "cache_dir": str(self.root / "cache"), "ram_budget": cfg.ram_budget,
                      "disk_budget": cfg.disk_budget, "bootstrap": list(bootstrap),
                      "mdns": False, "log_level": "info"},
@@ -231,6 +262,7 @@ class NodeProcess:
         self.addrs: list[str] = []
 
     def start(self) -> NodeProcess:
+        self.addrs = []  # a restart (churn mode) prints them again
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=log,
@@ -436,6 +468,606 @@ def run_policy(cfg: SwarmBenchConfig, policy: str, trace: Sequence[TraceRequest]
     return out
 
 
+# --------------------------------------------------------------------------- churn mode
+#
+# ``--churn F`` replaces the policy comparison with one run of the first policy in three
+# phases: before churn (``--churn-pre`` s), churn (``--churn-minutes``), after churn
+# (``--churn-post`` s). round(F x nodes) nodes (never node 0, the bootstrap node) are the
+# victims: the first half is cycled with ``kill -9`` and restarted from the same config, key,
+# cache folder and TCP port after ``--churn-down`` s; the other half is frozen with SIGSTOP
+# and resumed with SIGCONT after the same pause. Every ``--churn-interval`` s the next victim
+# (round-robin) is cycled; a victim still down or restarting is skipped (and counted).
+#
+# Requests arrive open-loop (the trace's Poisson arrivals at ``--rate``; ``--requests`` is
+# ignored: rate x duration); each picks its first entry node uniformly at random among
+# *all* nodes (the client does not know which are down). The client's behaviour: an
+# attempt that fails (connection refused or lost, an error frame) or gives no answer within
+# ``--churn-attempt-timeout`` s (a frozen entry accepts the TCP connection and then says
+# nothing) is abandoned and the request is retried at another random node it has not tried;
+# after ``--churn-attempts`` failed attempts it counts as lost. A request is *answered* when
+# some attempt returns a FINAL. TTFT is the user's: from the first attempt's start to the
+# first text piece of the answering attempt (retries included).
+#
+# Death detection: at each kill -9 (and SIGSTOP) the client polls every live node's PEERS
+# reply every ``DETECT_POLL_S`` until the node reports the victim not up (or no longer
+# lists it); the time of that reply minus the time of the signal is that node's detection
+# time, the largest over the live nodes is the time until every live node knows.
+#
+# Membership + digest bytes: after the replay, when every node sees all others up again, an
+# idle window of ``--churn-idle`` s with no requests and no client polling: the namespace's
+# loopback counters (/proc/net/dev ``lo``: every byte any node sent, TCP/IP headers
+# included; only our processes run in the namespace) divided by nodes and seconds, and
+# per process the TCP payload its sockets sent (``ss -tinp`` bytes_sent, before and after
+# the window). Without a namespace only the ``ss`` figure is attributable.
+
+DETECT_POLL_S = 0.5
+PHASES = ("before", "during", "after")
+
+
+@dataclass(frozen=True)
+class ChurnEvent:
+    at_s: float  # seconds from the start of the churn phase
+    node: int
+    kind: str  # "kill" (kill -9, restart) | "stop" (SIGSTOP, SIGCONT)
+    down_s: float
+
+
+def churn_victims(n_nodes: int, fraction: float, seed: int = 0) -> list[tuple[int, str]]:
+    """The cycled nodes (never node 0) and how each is cycled: the first half ``kill``
+    (rounded up), the rest ``stop``."""
+    import random  # noqa: PLC0415
+
+    k = min(n_nodes - 1, max(1, round(fraction * n_nodes))) if fraction > 0 else 0
+    picked = random.Random(seed).sample(range(1, n_nodes), k)
+    n_kill = (k + 1) // 2
+    return [(node, "kill" if j < n_kill else "stop") for j, node in enumerate(picked)]
+
+
+def churn_schedule(n_nodes: int, fraction: float, churn_s: float, interval_s: float,
+                   down_s: float, seed: int = 0) -> list[ChurnEvent]:
+    """Events every ``interval_s`` from ``interval_s / 2`` on, round-robin over the victims,
+    each back (restart or SIGCONT issued) before the churn phase ends."""
+    victims = churn_victims(n_nodes, fraction, seed)
+    out: list[ChurnEvent] = []
+    if not victims:
+        return out
+    j = 0
+    while True:
+        at = interval_s * (j + 0.5)
+        if at + down_s > churn_s:
+            return out
+        node, kind = victims[j % len(victims)]
+        out.append(ChurnEvent(round(at, 3), node, kind, down_s))
+        j += 1
+
+
+def phase_of(t_s: float, pre_s: float, churn_s: float) -> str:
+    """The phase of an arrival ``t_s`` seconds after the replay started."""
+    if t_s < pre_s:
+        return "before"
+    return "during" if t_s < pre_s + churn_s else "after"
+
+
+def summarise_phases(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per phase: sent, answered, lost, p50/p99 user TTFT, token hit ratio, retried."""
+    out: dict[str, dict[str, Any]] = {}
+    for ph in (*PHASES, "all"):
+        rs = [r for r in records if ph == "all" or r["phase"] == ph]
+        ok = [r for r in rs if r.get("ok")]
+        ttft = [r["ttft_s"] for r in ok if not math.isnan(r["ttft_s"])]
+        prompt = sum(r["prompt_tokens"] for r in ok)
+        cached = sum(r["cached_tokens"] for r in ok)
+        errors: dict[str, int] = {}
+        for r in rs:
+            for e in r.get("attempt_errors", []):
+                key = e.split(":", 1)[0]
+                errors[key] = errors.get(key, 0) + 1
+        out[ph] = {
+            "sent": len(rs), "answered": len(ok), "lost": len(rs) - len(ok),
+            "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "token_hit_ratio": cached / prompt if prompt else 0.0,
+            "retried": sum(1 for r in rs if r.get("attempts", 1) > 1),
+            "attempt_errors": errors,
+        }  # fmt: skip
+    return out
+
+
+def summarise_detection(detections: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind (kill, stop): over the events whose every observer reported, the median and
+    p99 of the time until every live node knew, and of the single observations."""
+    out: dict[str, Any] = {}
+    for kind in ("kill", "stop"):
+        ds = [d for d in detections if d["kind"] == kind]
+        complete = [d["all_s"] for d in ds if d["all_s"] is not None]
+        single = [t for d in ds for t in d["per_node_s"].values()]
+        out[kind] = {
+            "events": len(ds), "complete": len(complete),
+            "all_median_s": _percentile(complete, 50), "all_p99_s": _percentile(complete, 99),
+            "all_max_s": max(complete) if complete else math.nan,
+            "node_median_s": _percentile(single, 50), "node_p99_s": _percentile(single, 99),
+            "observations": len(single),
+        }  # fmt: skip
+    return out
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket  # noqa: PLC0415
+
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def _lo_counters() -> tuple[int, int] | None:
+    """(tx bytes, tx packets) of ``lo`` in this process's network namespace."""
+    try:
+        for line in Path("/proc/net/dev").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                f = rest.split()
+                return int(f[8]), int(f[9])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _socket_bytes() -> dict[tuple[str, str], tuple[int, int]] | None:
+    """Per established TCP socket (local, peer): (owner pid, bytes_sent) from ``ss -tinp``
+    (the kernel's tcp_info: payload bytes, Noise and yamux framing included, TCP/IP
+    headers not); None without ``ss``."""
+    import re  # noqa: PLC0415
+
+    try:
+        text = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True,
+                              text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    key: tuple[str, str] | None = None
+    pid = -1
+    for line in text.splitlines():
+        if not line.startswith(("\t", " ")):
+            f = line.split()
+            m = re.search(r"pid=(\d+)", line)
+            key, pid = ((f[2], f[3]) if len(f) >= 4 else None), (int(m.group(1)) if m else -1)
+            continue
+        m = re.search(r"bytes_sent:(\d+)", line)
+        if key is not None and pid >= 0:
+            out[key] = (pid, int(m.group(1)) if m else 0)
+        key = None
+    return out
+
+
+def _sent_by_pid(before: dict[tuple[str, str], tuple[int, int]],
+                 after: dict[tuple[str, str], tuple[int, int]]) -> dict[int, int]:
+    """Bytes each pid sent between two :func:`_socket_bytes` snapshots (sockets opened in
+    between count from 0; sockets closed in between are missed)."""
+    out: dict[int, int] = {}
+    for key, (pid, sent) in after.items():
+        prev = before.get(key)
+        base = prev[1] if prev is not None and prev[0] == pid else 0
+        out[pid] = out.get(pid, 0) + max(0, sent - base)
+    return out
+
+
+def _pss_kib(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+class _Holder:
+    """The client's connection to one node, kept by one task (reconnects after a loss);
+    ``client`` is None while not connected."""
+
+    def __init__(self, index: int, node: NodeProcess):
+        self.index = index
+        self.node = node
+        self.client: Any = None
+        self.broken = False
+        self.watch: dict[int, dict[str, Any]] = {}  # event id -> detection record
+        self.peer = b""
+
+
+async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceRequest],
+                        cfg: SwarmBenchConfig, schedule: Sequence[ChurnEvent],
+                        in_netns: bool) -> dict[str, Any]:
+    import random  # noqa: PLC0415
+
+    import trio  # noqa: PLC0415
+
+    from prefixmesh.node.client import Client, ClientError  # noqa: PLC0415
+    from prefixmesh.overlay.core.identity import peer_id_from_b58  # noqa: PLC0415
+
+    n = len(nodes)
+    pre_s, churn_s = cfg.churn_pre_s, cfg.churn_minutes * 60.0
+    addrs = [nd.addr for nd in nodes]
+    peer_of = [peer_id_from_b58(a.rsplit("/p2p/", 1)[1]) for a in addrs]
+    index_of = {p: i for i, p in enumerate(peer_of)}
+    holders = [_Holder(i, nd) for i, nd in enumerate(nodes)]
+    state = ["up"] * n  # up | killed | restarting | stopped
+    events_log: list[dict[str, Any]] = []
+    detections: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
+    tenant_box: list[Any] = []
+    t_origin = trio.current_time()
+
+    async def session(h: _Holder) -> None:
+        async with Client.connect(addrs[h.index], timeout_s=8.0) as c:
+            h.client, h.broken = c, False
+            try:
+                if not tenant_box:
+                    with trio.fail_after(10):
+                        tenant_box.append(await c.tenant())
+                while not h.broken and state[h.index] not in ("killed", "restarting"):
+                    if not (h.watch and state[h.index] == "up"):
+                        await trio.sleep(0.25)
+                        continue
+                    with trio.fail_after(3):
+                        reply = await c.peers(timeout_s=2.5)
+                    now = trio.current_time()
+                    up = {p.peer for p in reply.peers if p.up}
+                    for ev_id, det in list(h.watch.items()):
+                        if peer_of[det["node"]] not in up:
+                            det["per_node_s"][h.index] = round(now - det["t0"], 3)
+                            del h.watch[ev_id]
+                    await trio.sleep(DETECT_POLL_S)
+            finally:
+                h.client = None
+
+    async def hold(h: _Holder) -> None:
+        while True:
+            if state[h.index] in ("killed", "restarting"):
+                await trio.sleep(0.5)
+                continue
+            try:
+                await session(h)
+            except (Exception, trio.TooSlowError):  # lost, refused, frozen: reconnect
+                pass
+            h.client = None
+            await trio.sleep(1.0)
+
+    def start_detection(ev: ChurnEvent, t0: float) -> dict[str, Any]:
+        det = {"node": ev.node, "kind": ev.kind, "at_s": round(t0 - t_origin, 2), "t0": t0,
+               "observers": 0, "per_node_s": {}, "all_s": None}
+        for h in holders:
+            if h.index != ev.node and state[h.index] == "up":
+                h.watch[id(det)] = det
+                det["observers"] += 1
+        detections.append(det)
+        return det
+
+    async def finish_detection(det: dict[str, Any]) -> None:
+        # until every observer reported, or the victim is back (then incomplete)
+        with trio.move_on_after(max(1.0, cfg.churn_down_s - 0.5)):
+            while any(id(det) in h.watch for h in holders):
+                for h in holders:  # an observer that went down stops counting
+                    if id(det) in h.watch and state[h.index] != "up":
+                        del h.watch[id(det)]
+                        det["observers"] -= 1
+                await trio.sleep(0.1)
+        for h in holders:
+            h.watch.pop(id(det), None)
+        if len(det["per_node_s"]) >= det["observers"] and det["per_node_s"]:
+            det["all_s"] = max(det["per_node_s"].values())
+
+    async def cycle(ev: ChurnEvent) -> None:
+        nd = nodes[ev.node]
+        rec = {"node": ev.node, "kind": ev.kind, "at_s": round(trio.current_time() - t_origin,
+                                                                2)}
+        events_log.append(rec)
+        if state[ev.node] != "up" or nd.proc is None or nd.proc.poll() is not None:
+            rec["skipped"] = f"node {state[ev.node]}"
+            return
+        async with trio.open_nursery() as nursery:
+            if ev.kind == "kill":
+                nd.proc.send_signal(signal.SIGKILL)
+                state[ev.node] = "killed"
+            else:
+                nd.proc.send_signal(signal.SIGSTOP)
+                state[ev.node] = "stopped"
+            t0 = trio.current_time()
+            holders[ev.node].broken = ev.kind == "kill"
+            det = start_detection(ev, t0)
+            nursery.start_soon(finish_detection, det)
+            await trio.sleep(ev.down_s)
+            if ev.kind == "kill":
+                await trio.to_thread.run_sync(nd.proc.wait)
+                state[ev.node] = "restarting"
+                t1 = trio.current_time()
+                try:
+                    await trio.to_thread.run_sync(nd.start)
+                    rec["restart_s"] = round(trio.current_time() - t1, 2)
+                    if nd.addr != addrs[ev.node]:
+                        rec["new_addr"] = nd.addr
+                        addrs[ev.node] = nd.addr
+                    state[ev.node] = "up"
+                except SwarmBenchError as exc:
+                    rec["restart_failed"] = str(exc)[:500]
+                    state[ev.node] = "killed"
+            else:
+                nd.proc.send_signal(signal.SIGCONT)
+                state[ev.node] = "up"
+
+    async def one(i: int, req: TraceRequest, phase: str) -> None:
+        rng = random.Random(1_000_003 * (i + 1))
+        rec: dict[str, Any] = {"i": i, "phase": phase, "ok": False, "attempts": 0,
+                               "attempt_errors": [], "entries": []}
+        records.append(rec)
+        tried: set[int] = set()
+        t_req = trio.current_time()
+        while rec["attempts"] < cfg.churn_attempts:
+            pool = [j for j in range(n) if j not in tried] or list(range(n))
+            entry = rng.choice(pool)
+            tried.add(entry)
+            rec["attempts"] += 1
+            rec["entries"].append(entry)
+            h = holders[entry]
+            c = h.client
+            if c is None or not tenant_box:
+                rec["attempt_errors"].append("NotConnected")
+                await trio.sleep(0.05)
+                continue
+            t_att = trio.current_time()
+            ans = None
+            with trio.move_on_after(cfg.churn_attempt_timeout_s):
+                try:
+                    ans = await c.ask(tokens=req.tokens, tenant=tenant_box[0],
+                                      max_tokens=cfg.max_tokens,
+                                      deadline_s=cfg.churn_attempt_timeout_s,
+                                      hop_budget=cfg.hop_budget)
+                except ClientError as exc:
+                    rec["attempt_errors"].append(f"{type(exc).__name__}: {exc}"[:200])
+                    if type(exc).__name__ in ("ConnectFailed", "ConnectionLost"):
+                        h.broken = True
+                    continue
+                except Exception as exc:  # noqa: BLE001 (a dying connection, any layer)
+                    rec["attempt_errors"].append(f"{type(exc).__name__}: {exc}"[:200])
+                    h.broken = True
+                    continue
+            if ans is None:
+                rec["attempt_errors"].append("AttemptTimeout")
+                continue
+            f = ans.final
+            ttft = ans.ttft_s if not math.isnan(ans.ttft_s) else ans.total_s
+            rec.update(ok=True, entry=entry, served_by=index_of.get(f.serving),
+                       ttft_s=(t_att - t_req) + ttft, attempt_ttft_s=ttft,
+                       prompt_tokens=f.prompt_tokens, cached_tokens=f.cached_tokens,
+                       forward_hops=sum(1 for hop in f.hops if hop.action == "forward"))
+            return
+
+    async def progress() -> None:
+        while True:
+            await trio.sleep(PROGRESS_EVERY_S)
+            el = trio.current_time() - t_origin
+            done = sum(1 for r in records if r["ok"] or r["attempts"] >= cfg.churn_attempts)
+            print(f"bench swarm churn: {el:.0f} s, {done}/{len(records)} requests done, "
+                  f"{sum(1 for r in records if r['ok'])} answered; nodes "
+                  f"{' '.join(f'{j}:{s}' for j, s in enumerate(state) if s != 'up') or 'all up'}",
+                  file=sys.stderr, flush=True)
+
+    async def wait_all_up(timeout_s: float) -> float | None:
+        t0 = trio.current_time()
+        with trio.move_on_after(timeout_s):
+            while True:
+                counts = []
+                for h in holders:
+                    c = h.client
+                    if c is None:
+                        counts.append(-1)
+                        continue
+                    try:
+                        with trio.fail_after(3):
+                            reply = await c.peers(timeout_s=2.5)
+                        counts.append(sum(1 for p in reply.peers if p.up))
+                    except (Exception, trio.TooSlowError):
+                        counts.append(-1)
+                if all(x >= n - 1 for x in counts):
+                    return trio.current_time() - t0
+                await trio.sleep(1.0)
+        return None
+
+    meta: dict[str, Any] = {}
+    async with trio.open_nursery() as top:
+        for h in holders:
+            top.start_soon(hold, h)
+        mesh_s = await wait_all_up(MESH_TIMEOUT_S + n * 2.0)
+        if mesh_s is None or not tenant_box:
+            top.cancel_scope.cancel()
+            raise SwarmBenchError(f"churn mode: the mesh of {n} nodes did not form")
+        meta["mesh_wait_s"] = round(mesh_s, 2)
+        top.start_soon(progress)
+        t_origin = trio.current_time()
+        total_s = pre_s + churn_s + cfg.churn_post_s
+        reqs = [r for r in trace if r.arrival_s < total_s]
+        with trio.move_on_after(total_s + cfg.drain_s) as scope:
+            async with trio.open_nursery() as work:
+                for ev in schedule:
+                    async def later(ev: ChurnEvent = ev) -> None:
+                        await trio.sleep_until(t_origin + pre_s + ev.at_s)
+                        await cycle(ev)
+                    work.start_soon(later)
+                for i, req in enumerate(reqs):
+                    await trio.sleep_until(t_origin + req.arrival_s)
+                    work.start_soon(one, i, req, phase_of(req.arrival_s, pre_s, churn_s))
+        meta["replay_wall_s"] = round(trio.current_time() - t_origin, 2)
+        meta["cut_short"] = scope.cancelled_caught
+        for j, s in enumerate(state):  # a cut-short run may leave a node frozen
+            if s == "stopped" and nodes[j].proc is not None:
+                nodes[j].proc.send_signal(signal.SIGCONT)
+                state[j] = "up"
+        # idle window: membership (heartbeats) + digests only
+        recovered = await wait_all_up(MESH_TIMEOUT_S + n * 2.0)
+        meta["recovered_mesh_s"] = None if recovered is None else round(recovered, 2)
+        await trio.sleep(3.0)  # let the last PEERS replies and answers settle
+        pids = [nd.proc.pid for nd in nodes if nd.proc is not None and nd.proc.poll() is None]
+        ss0 = await trio.to_thread.run_sync(_socket_bytes)
+        lo0, w0 = _lo_counters(), trio.current_time()
+        await trio.sleep(cfg.churn_idle_s)
+        lo1, dt = _lo_counters(), trio.current_time() - w0
+        ss1 = await trio.to_thread.run_sync(_socket_bytes)
+        sent = _sent_by_pid(ss0, ss1) if ss0 is not None and ss1 is not None else {}
+        per_pid = sorted(sent.get(p, 0) / dt for p in pids) if sent else []
+        idle: dict[str, Any] = {"window_s": round(dt, 2), "nodes_alive": len(pids),
+                                "all_up_before_window": recovered is not None}
+        if in_netns and lo0 and lo1 and pids:
+            idle["lo_bytes_per_node_s"] = (lo1[0] - lo0[0]) / len(pids) / dt
+            idle["lo_packets_per_node_s"] = (lo1[1] - lo0[1]) / len(pids) / dt
+        if per_pid:  # the nodes' own sockets (to each other and to the idle client)
+            idle["tcp_payload_per_node_s_median"] = _percentile(per_pid, 50)
+            idle["tcp_payload_per_node_s_mean"] = sum(per_pid) / len(per_pid)
+            idle["tcp_payload_per_node_s_min"] = per_pid[0]
+            idle["tcp_payload_per_node_s_max"] = per_pid[-1]
+        pss = [_pss_kib(p) for p in pids]
+        idle["pss_total_mib"] = round(sum(pss) / 1024, 1)
+        idle["pss_per_node_mib_max"] = round(max(pss, default=0) / 1024, 1)
+        meta["idle"] = idle
+        top.cancel_scope.cancel()
+    for d in detections:
+        d.pop("t0", None)
+        d["per_node_s"] = {str(k): v for k, v in d["per_node_s"].items()}
+    return {"records": records, "events": events_log, "detections": detections, **meta}
+
+
+def _start_nodes(cfg: SwarmBenchConfig, policy: str, root: Path, model_path: Path,
+                 link_delay_ms: float) -> list[NodeProcess]:
+    """Node 0, then the others in parallel batches of ``cfg.start_batch``, each on a fixed
+    port (a restarted node keeps its address)."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    ports = _free_ports(cfg.nodes)
+    listen = [f"/ip4/127.0.0.1/tcp/{p}" for p in ports]
+    first = NodeProcess(root, 0, cfg, policy, model_path, link_delay_ms=link_delay_ms,
+                        listen=listen[0])
+    nodes = [first]
+    try:
+        first.start()
+        rest = [NodeProcess(root, i, cfg, policy, model_path, [first.addr],
+                            link_delay_ms=link_delay_ms, listen=listen[i])
+                for i in range(1, cfg.nodes)]
+        nodes += rest
+        with ThreadPoolExecutor(max(1, cfg.start_batch)) as pool:
+            for fut in [pool.submit(nd.start) for nd in rest]:
+                fut.result()
+    except BaseException:
+        _stop_all(nodes)
+        raise
+    return nodes
+
+
+def _stop_all(nodes: Sequence[NodeProcess]) -> None:
+    for nd in nodes:  # a frozen process cannot act on SIGTERM
+        if nd.proc is not None and nd.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                nd.proc.send_signal(signal.SIGCONT)
+    for nd in nodes:
+        nd.stop()
+
+
+def run_churn(cfg: SwarmBenchConfig, policy: str, trace: Sequence[TraceRequest], root: Path,
+              model_path: Path, *, with_churn: bool, in_netns: bool,
+              link_delay_ms: float = 0.0) -> dict[str, Any]:
+    """One churn-mode run on fresh nodes (``with_churn`` False: the same replay, no churn)."""
+    import trio  # noqa: PLC0415
+
+    root.mkdir(parents=True, exist_ok=True)
+    schedule = (churn_schedule(cfg.nodes, cfg.churn, cfg.churn_minutes * 60.0,
+                               cfg.churn_interval_s, cfg.churn_down_s) if with_churn else [])
+    t0 = time.monotonic()
+    nodes = _start_nodes(cfg, policy, root, model_path, link_delay_ms)
+    try:
+        startup_s = time.monotonic() - t0
+        mem_avail_mib = _mem_available_mib()
+        res = trio.run(_churn_replay, nodes, trace, cfg, schedule, in_netns)
+    finally:
+        _stop_all(nodes)
+    res.update(run="churn" if with_churn else "no churn", policy=policy,
+               startup_s=round(startup_s, 2), mem_available_after_start_mib=mem_avail_mib,
+               victims=[{"node": v, "kind": k} for v, k in churn_victims(cfg.nodes, cfg.churn)]
+               if with_churn else [],
+               phases=summarise_phases(res["records"]),
+               detection=summarise_detection(res["detections"]))
+    return res
+
+
+def _mem_available_mib() -> float:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return math.nan
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_churn_table(result: dict[str, Any]) -> str:
+    cfg, net = result["config"], result["network"]
+    lines = [
+        f"churn mode: {cfg['nodes']} nodes, policy {cfg['policies'][0]}, "
+        f"{cfg['churn']:.0%} of the nodes cycled; phases: before {cfg['churn_pre_s']:g} s, "
+        f"churn {cfg['churn_minutes']:g} min (an event every {cfg['churn_interval_s']:g} s, "
+        f"down {cfg['churn_down_s']:g} s), after {cfg['churn_post_s']:g} s",
+        f"arrivals {cfg['rate']:g} req/s at random entry nodes; a request tries at most "
+        f"{cfg['churn_attempts']} entries, {cfg['churn_attempt_timeout_s']:g} s each; "
+        f"max_tokens {cfg['max_tokens']}",
+        f"workload: {result['trace']['source']}",
+        f"network: {net['note']}",
+        "",
+        f"{'run':<10}{'phase':<8}{'answered':>12}{'retried':>9}{'p50 TTFT':>10}"
+        f"{'p99 TTFT':>10}{'hit':>7}",
+    ]
+    for r in result["churn"]["runs"]:
+        for ph in (*PHASES, "all"):
+            s = r["phases"][ph]
+            lines.append(f"{r['run']:<10}{ph:<8}{s['answered']:>6}/{s['sent']:<5}"
+                         f"{s['retried']:>9}{_fmt(s['ttft_p50_s']):>10}{_fmt(s['ttft_p99_s']):>10}"
+                         f"{s['token_hit_ratio']:>7.3f}")
+    lines.append("")
+    for r in result["churn"]["runs"]:
+        idle = r.get("idle", {})
+        lo = idle.get("lo_bytes_per_node_s")
+        wc = idle.get("tcp_payload_per_node_s_median")
+        lines.append(
+            f"{r['run']}: idle {idle.get('window_s', 0):.0f} s, {idle.get('nodes_alive')} "
+            f"nodes: membership + digest bytes/s per node "
+            + (f"{lo:,.0f} on the wire (lo, headers incl., "
+               f"{idle.get('lo_packets_per_node_s', 0):,.0f} packets/s)" if lo else "n/a (lo)")
+            + (f", {wc:,.0f} TCP payload (median node, ss)" if wc else "")
+            + f"; PSS {idle.get('pss_total_mib', 0):,.0f} MiB total; startup "
+            f"{r['startup_s']:.0f} s")
+        for kind, d in r["detection"].items():
+            if d["events"]:
+                lines.append(
+                    f"{r['run']}: {kind} detection: {d['complete']}/{d['events']} events seen "
+                    f"by every live node; all-nodes median {_fmt(d['all_median_s'], '.2f')} s, "
+                    f"p99 {_fmt(d['all_p99_s'], '.2f')} s; single node median "
+                    f"{_fmt(d['node_median_s'], '.2f')} s, p99 {_fmt(d['node_p99_s'], '.2f')} s "
+                    f"({d['observations']} observations)")
+        skipped = sum(1 for e in r["events"] if "skipped" in e)
+        failed = sum(1 for e in r["events"] if "restart_failed" in e)
+        if r["events"]:
+            lines.append(f"{r['run']}: {len(r['events'])} churn events, {skipped} skipped, "
+                         f"{failed} failed restarts")
+    lines.append("")
+    lines.append("TTFT in seconds from the first attempt (retries included); hit = cached / "
+                 "prompt tokens of the answers")
+    lines.append(f"wall time {result['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- namespace
 
 
@@ -522,6 +1154,21 @@ def _run_inner(spec_path: Path, out_path: Path) -> int:
                               "run `prefixmesh model fetch` first")
     root = Path(spec["root"])
     results = []
+    if cfg.churn > 0:  # churn mode: the first policy, with churn, then without (reference)
+        policy = cfg.policies[0]
+        for with_churn in (True, False) if cfg.churn_baseline else (True,):
+            name = "churn" if with_churn else "nochurn"
+            print(f"bench swarm: {name} run: starting {cfg.nodes} nodes", file=sys.stderr,
+                  flush=True)
+            res = run_churn(cfg, policy, trace, root / name, model_path, with_churn=with_churn,
+                            in_netns=bool(spec.get("in_netns")),
+                            link_delay_ms=float(spec.get("app_delay_ms") or 0.0))
+            a = res["phases"]["all"]
+            print(f"bench swarm: {name} run: {a['answered']}/{a['sent']} answered, "
+                  f"hit {a['token_hit_ratio']:.3f}", file=sys.stderr, flush=True)
+            results.append(res)
+            out_path.write_text(json.dumps(results))
+        return 0
     for policy in cfg.policies:
         print(f"bench swarm: policy {policy}: starting {cfg.nodes} nodes", file=sys.stderr,
               flush=True)
@@ -540,6 +1187,12 @@ PROGRESS_EVERY_S = 2.0  # the CLI's rule: every step longer than 2 s says how fa
 
 def _time_budget_s(cfg: SwarmBenchConfig, trace: Trace) -> float:
     last = trace.requests[-1].arrival_s if trace.requests else 0.0
+    if cfg.churn > 0:
+        per_run = (NODE_START_TIMEOUT_S * (2 + cfg.nodes / max(1, cfg.start_batch))
+                   + 2 * (MESH_TIMEOUT_S + cfg.nodes * 2.0) + cfg.churn_pre_s
+                   + cfg.churn_minutes * 60.0 + cfg.churn_post_s + cfg.drain_s
+                   + cfg.churn_idle_s + 60.0 + cfg.nodes * 10.0)
+        return per_run * (2 if cfg.churn_baseline else 1) + 30.0
     per_policy = (cfg.nodes * NODE_START_TIMEOUT_S + MESH_TIMEOUT_S + last + cfg.drain_s
                   + 30.0 + cfg.nodes * 10.0)
     return per_policy * len(cfg.policies) + 30.0
@@ -548,6 +1201,9 @@ def _time_budget_s(cfg: SwarmBenchConfig, trace: Trace) -> float:
 def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
     """Run the whole benchmark; returns the result (``policies``: one summary each)."""
     cfg.validate()
+    if cfg.churn > 0:  # open-loop arrivals over the three phases: rate x duration
+        total_s = cfg.churn_pre_s + cfg.churn_minutes * 60.0 + cfg.churn_post_s
+        cfg.requests = math.ceil(cfg.rate * total_s) + 5
     trace = build_trace(cfg)
     t0 = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="pm-bench-swarm-"))
@@ -561,7 +1217,8 @@ def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
             net.note += (f"; instead each node delays every frame it sends by {app_delay_ms:g}"
                          f" ms in the application (RTT {2 * app_delay_ms:g} ms between nodes)")
         spec = {"config": asdict(cfg), "trace": [asdict(r) for r in trace.requests],
-                "root": str(tmp / "run"), "app_delay_ms": app_delay_ms}
+                "root": str(tmp / "run"), "app_delay_ms": app_delay_ms,
+                "in_netns": net.name is not None}
         spec_path, out_path = tmp / "spec.json", tmp / "results.json"
         spec_path.write_text(json.dumps(spec))
         argv = net.wrap([sys.executable, "-m", "prefixmesh.bench.swarm", "--inner",
@@ -575,7 +1232,9 @@ def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
             partial = json.loads(out_path.read_text()) if out_path.is_file() else []
             raise SwarmBenchError(
                 f"benchmark process {'timed out' if rc is None else f'failed (exit {rc})'} "
-                f"after {len(partial)} of {len(cfg.policies)} policies; node logs in {tmp}"
+                f"after {len(partial)} of "
+                + (f"{1 + cfg.churn_baseline} churn-mode runs" if cfg.churn > 0 else
+                   f"{len(cfg.policies)} policies") + f"; node logs in {tmp}"
                 + ("" if cfg.keep else " (removed; pass --keep to keep them)"))
         results = json.loads(out_path.read_text())
     finally:
@@ -593,8 +1252,9 @@ def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
             import shutil  # noqa: PLC0415
 
             shutil.rmtree(tmp, ignore_errors=True)
-    return {
-        "config": {k: v for k, v in asdict(cfg).items() if k not in ("keep",)},
+    hidden = ("keep",) if cfg.churn > 0 else ("keep", *CHURN_FIELDS)
+    out = {
+        "config": {k: v for k, v in asdict(cfg).items() if k not in hidden},
         "trace": {"source": trace.source, "requests": len(trace.requests),
                   "prompt_tokens": sum(len(r.tokens) for r in trace.requests),
                   "truncated": trace.truncated, "ideal_hit_ratio": trace.ideal_hit_ratio,
@@ -605,9 +1265,16 @@ def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
         "wall_s": round(time.monotonic() - t0, 1),
         "policies": results,
     }
+    if cfg.churn > 0:
+        out["policies"] = []
+        out["churn"] = {"runs": results}
+        out["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    return out
 
 
 def format_table(result: dict[str, Any]) -> str:
+    if result.get("churn"):
+        return format_churn_table(result)
     tr, net = result["trace"], result["network"]
     cfg = result["config"]
     lines = [
@@ -668,6 +1335,32 @@ def add_swarm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-netns", action="store_true", help="run on the host loopback")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (node logs)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    g = p.add_argument_group("churn mode (--churn F > 0: one policy, phases before/during/"
+                             "after churn, then the same replay without churn)")
+    g.add_argument("--churn", type=float, default=d.churn,
+                   help="fraction of the nodes cycled (half kill -9 + restart, half "
+                   "SIGSTOP + SIGCONT); 0 = off (up to 64 nodes when on)")
+    g.add_argument("--churn-minutes", type=float, default=d.churn_minutes,
+                   help="length of the churn phase, minutes")
+    g.add_argument("--churn-pre", type=float, default=d.churn_pre_s,
+                   help="seconds of requests before churn")
+    g.add_argument("--churn-post", type=float, default=d.churn_post_s,
+                   help="seconds of requests after churn")
+    g.add_argument("--churn-interval", type=float, default=d.churn_interval_s,
+                   help="seconds between churn events (round-robin over the victims)")
+    g.add_argument("--churn-down", type=float, default=d.churn_down_s,
+                   help="seconds a victim stays killed or frozen")
+    g.add_argument("--churn-attempt-timeout", type=float, default=d.churn_attempt_timeout_s,
+                   help="the client abandons an entry node after this many seconds")
+    g.add_argument("--churn-attempts", type=int, default=d.churn_attempts,
+                   help="entry nodes a request tries before it counts as lost")
+    g.add_argument("--churn-idle", type=float, default=d.churn_idle_s,
+                   help="idle seconds after the replay in which membership + digest bytes "
+                   "are measured")
+    g.add_argument("--no-churn-baseline", action="store_true",
+                   help="skip the reference run without churn")
+    g.add_argument("--start-batch", type=int, default=d.start_batch,
+                   help="node processes started in parallel (churn mode)")
 
 
 def config_from_namespace(ns: argparse.Namespace) -> SwarmBenchConfig:
@@ -680,7 +1373,20 @@ def config_from_namespace(ns: argparse.Namespace) -> SwarmBenchConfig:
         digest_interval_s=ns.digest_interval, hop_budget=ns.hop_budget,
         request_timeout_s=ns.request_timeout, drain_s=ns.drain, keep=ns.keep,
         netns=not ns.no_netns,
+        **_churn_options(ns),
     )  # fmt: skip
+
+
+def _churn_options(ns: argparse.Namespace) -> dict[str, Any]:
+    if not getattr(ns, "churn", 0.0):
+        return {}
+    return {
+        "churn": ns.churn, "churn_minutes": ns.churn_minutes, "churn_pre_s": ns.churn_pre,
+        "churn_post_s": ns.churn_post, "churn_interval_s": ns.churn_interval,
+        "churn_down_s": ns.churn_down, "churn_attempt_timeout_s": ns.churn_attempt_timeout,
+        "churn_attempts": ns.churn_attempts, "churn_idle_s": ns.churn_idle,
+        "churn_baseline": not ns.no_churn_baseline, "start_batch": ns.start_batch,
+    }  # fmt: skip
 
 
 def _json_safe(obj: Any) -> Any:
@@ -718,6 +1424,9 @@ def run_bench_swarm(ns: argparse.Namespace) -> int:
         print(json.dumps(_json_safe(result)))
     else:
         print(format_table(result))
+    if result.get("churn"):
+        runs = result["churn"]["runs"]
+        return 0 if all(r["phases"]["all"]["lost"] == 0 for r in runs) else 2
     return 0 if all(p["ok"] == p["requests"] for p in result["policies"]) else 2
 
 
