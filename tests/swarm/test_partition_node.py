@@ -208,6 +208,17 @@ LONG_SYSTEM = (
 ) * 5
 
 
+def _seen_idle(entry, holder) -> None:
+    """Wait until the entry's view of the holder's load (heartbeat PONGs) shows it idle."""
+    from _swarm import peers, wait_until
+
+    def idle() -> bool:
+        info = {p.peer: p for p in peers(entry.addr).peers}.get(holder.peer_id)
+        return info is not None and info.up and info.active == 0 and info.queue_depth == 0
+
+    wait_until(idle, timeout_s=10, interval_s=0.2, what=f"{entry.name} to see {holder.name} idle")
+
+
 @pytest.mark.slow
 def test_partitioned_swarm_routes_a_non_home_entry_to_the_holder(tmp_path):
     from _swarm import Swarm, ask, peers, wait_until
@@ -251,7 +262,7 @@ def test_partitioned_swarm_routes_a_non_home_entry_to_the_holder(tmp_path):
         for n in nodes:  # full replication is off: no node's gossip index fills
             assert all(p.n_hashes == 0 for p in peers(n.addr).peers)
         entry = entries[0]
-        time.sleep(1.0)  # heartbeats report A idle again (load figures steer routing too)
+        _seen_idle(entry, a)  # (load figures steer routing too)
         second = ask(entry.addr, prompt, max_tokens=4)
         fin = second.final
         assert fin.serving == a.peer_id, ([h.reason for h in fin.hops], s.logs())
@@ -266,7 +277,7 @@ def test_partitioned_swarm_routes_a_non_home_entry_to_the_holder(tmp_path):
 
         # a home of the partition reads its own partition index: no lookup, same route
         home = homes[0]
-        time.sleep(1.0)
+        _seen_idle(home, a)
         third = ask(home.addr, prompt, max_tokens=4)
         fin = third.final
         assert fin.serving == a.peer_id, [h.reason for h in fin.hops]
