@@ -488,10 +488,12 @@ def run_policy(cfg: SwarmBenchConfig, policy: str, trace: Sequence[TraceRequest]
 # some attempt returns a FINAL. TTFT is the user's: from the first attempt's start to the
 # first text piece of the answering attempt (retries included).
 #
-# Death detection: at each kill -9 (and SIGSTOP) the client polls every live node's PEERS
-# reply every ``DETECT_POLL_S`` until the node reports the victim not up (or no longer
-# lists it); the time of that reply minus the time of the signal is that node's detection
-# time, the largest over the live nodes is the time until every live node knows.
+# Death detection: at each kill -9 (and SIGSTOP) the client polls every live node whose
+# last PEERS reply (refreshed every ``VIEW_POLL_S``) had the victim up, every
+# ``DETECT_POLL_S``, until the node reports the victim not up (or no longer lists it); the
+# time of that reply minus the time of the signal is that node's detection time, the
+# largest over those nodes is the time until every live node knows. Live nodes that did not
+# see the victim up are counted (``not_seen_up``), not timed.
 #
 # Membership + digest bytes: after the replay, when every node sees all others up again, an
 # idle window of ``--churn-idle`` s with no requests and no client polling: the namespace's
@@ -501,6 +503,7 @@ def run_policy(cfg: SwarmBenchConfig, policy: str, trace: Sequence[TraceRequest]
 # the window). Without a namespace only the ``ss`` figure is attributable.
 
 DETECT_POLL_S = 0.5
+VIEW_POLL_S = 3.0  # each node's PEERS view is refreshed this often outside detections
 PHASES = ("before", "during", "after")
 
 
@@ -677,7 +680,8 @@ class _Holder:
         self.client: Any = None
         self.broken = False
         self.watch: dict[int, dict[str, Any]] = {}  # event id -> detection record
-        self.peer = b""
+        self.view_up: set[bytes] = set()  # peers up in this node's last PEERS reply
+        self.view_t = -math.inf  # when that reply came (trio clock)
 
 
 async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceRequest],
@@ -701,6 +705,7 @@ async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceReque
     detections: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     tenant_box: list[Any] = []
+    quiet = [False]  # the idle window: no client polls
     t_origin = trio.current_time()
 
     async def session(h: _Holder) -> None:
@@ -711,18 +716,22 @@ async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceReque
                     with trio.fail_after(10):
                         tenant_box.append(await c.tenant())
                 while not h.broken and state[h.index] not in ("killed", "restarting"):
-                    if not (h.watch and state[h.index] == "up"):
+                    # polls: fast while a detection is open, every VIEW_POLL_S otherwise
+                    # (to know who sees whom up), never in the idle window
+                    due = h.watch or trio.current_time() - h.view_t >= VIEW_POLL_S
+                    if quiet[0] or state[h.index] != "up" or not due:
                         await trio.sleep(0.25)
                         continue
-                    with trio.fail_after(3):
-                        reply = await c.peers(timeout_s=2.5)
+                    with trio.fail_after(10):
+                        reply = await c.peers(timeout_s=9.0)
                     now = trio.current_time()
                     up = {p.peer for p in reply.peers if p.up}
+                    h.view_up, h.view_t = up, now
                     for ev_id, det in list(h.watch.items()):
                         if peer_of[det["node"]] not in up:
                             det["per_node_s"][h.index] = round(now - det["t0"], 3)
                             del h.watch[ev_id]
-                    await trio.sleep(DETECT_POLL_S)
+                    await trio.sleep(DETECT_POLL_S if h.watch else 0.25)
             finally:
                 h.client = None
 
@@ -740,11 +749,15 @@ async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceReque
 
     def start_detection(ev: ChurnEvent, t0: float) -> dict[str, Any]:
         det = {"node": ev.node, "kind": ev.kind, "at_s": round(t0 - t_origin, 2), "t0": t0,
-               "observers": 0, "per_node_s": {}, "all_s": None}
+               "observers": 0, "not_seen_up": 0, "per_node_s": {}, "all_s": None}
         for h in holders:
             if h.index != ev.node and state[h.index] == "up":
-                h.watch[id(det)] = det
-                det["observers"] += 1
+                # an observer counts only if its last view (recent) had the victim up
+                if t0 - h.view_t <= 2 * VIEW_POLL_S + 10 and peer_of[ev.node] in h.view_up:
+                    h.watch[id(det)] = det
+                    det["observers"] += 1
+                else:
+                    det["not_seen_up"] += 1
         detections.append(det)
         return det
 
@@ -857,23 +870,17 @@ async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceReque
                   f"{' '.join(f'{j}:{s}' for j, s in enumerate(state) if s != 'up') or 'all up'}",
                   file=sys.stderr, flush=True)
 
+    last_counts: list[int] = []
+
     async def wait_all_up(timeout_s: float) -> float | None:
+        """Until every node's recent view has all others up (the holders' polls)."""
         t0 = trio.current_time()
         with trio.move_on_after(timeout_s):
             while True:
-                counts = []
-                for h in holders:
-                    c = h.client
-                    if c is None:
-                        counts.append(-1)
-                        continue
-                    try:
-                        with trio.fail_after(3):
-                            reply = await c.peers(timeout_s=2.5)
-                        counts.append(sum(1 for p in reply.peers if p.up))
-                    except (Exception, trio.TooSlowError):
-                        counts.append(-1)
-                if all(x >= n - 1 for x in counts):
+                now = trio.current_time()
+                last_counts[:] = [len(h.view_up) if now - h.view_t < 3 * VIEW_POLL_S else -1
+                                  for h in holders]
+                if all(x >= n - 1 for x in last_counts) and now - t0 > VIEW_POLL_S:
                     return trio.current_time() - t0
                 await trio.sleep(1.0)
         return None
@@ -882,11 +889,13 @@ async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceReque
     async with trio.open_nursery() as top:
         for h in holders:
             top.start_soon(hold, h)
-        mesh_s = await wait_all_up(MESH_TIMEOUT_S + n * 2.0)
-        if mesh_s is None or not tenant_box:
+        mesh_s = await wait_all_up(MESH_TIMEOUT_S + n * 3.0)
+        if not tenant_box:
             top.cancel_scope.cancel()
-            raise SwarmBenchError(f"churn mode: the mesh of {n} nodes did not form")
-        meta["mesh_wait_s"] = round(mesh_s, 2)
+            raise SwarmBenchError(f"churn mode: no node of {n} answered the client")
+        # a mesh not complete by then is recorded (peers up per node), not fatal
+        meta["mesh_wait_s"] = None if mesh_s is None else round(mesh_s, 2)
+        meta["mesh_up_counts_at_start"] = list(last_counts)
         top.start_soon(progress)
         t_origin = trio.current_time()
         total_s = pre_s + churn_s + cfg.churn_post_s
@@ -910,6 +919,8 @@ async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceReque
         # idle window: membership (heartbeats) + digests only
         recovered = await wait_all_up(MESH_TIMEOUT_S + n * 2.0)
         meta["recovered_mesh_s"] = None if recovered is None else round(recovered, 2)
+        meta["mesh_up_counts_before_idle"] = list(last_counts)
+        quiet[0] = True
         await trio.sleep(3.0)  # let the last PEERS replies and answers settle
         pids = [nd.proc.pid for nd in nodes if nd.proc is not None and nd.proc.poll() is None]
         ss0 = await trio.to_thread.run_sync(_socket_bytes)
