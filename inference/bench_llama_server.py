@@ -41,6 +41,7 @@ Workloads (``--workloads``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -145,6 +146,8 @@ def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
                    help="interleaved rounds (warm: requests; concurrent: rounds of 32)")
     g.add_argument("--cycle-prefixes", type=_pos_int, default=32)
     g.add_argument("--cycle-passes", type=_pos_int, default=1)
+    g.add_argument("--cycle-prefix-tokens", type=_pos_int, default=500,
+                   help="cycle: length of each of the prefixes")
     g.add_argument("--cache-gb", type=_pos_float, default=1.5,
                    help="restart: pad prefixmesh's disk cache to this size")
     g.add_argument("--restarts", type=_pos_int, default=3, help="restart: runs per server")
@@ -307,6 +310,18 @@ class _Node(_Server):
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "prefixmesh", "node", "--config", str(self.config)]
+
+    def engine_ready_s(self) -> float | None:
+        """The node's own log line: model load + KV cache index, the last start's."""
+        found = None
+        try:
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if "checking the KV cache: done in" in line:
+                    with contextlib.suppress(ValueError, IndexError):
+                        found = float(line.rsplit("done in", 1)[1].split()[0])
+        except OSError:
+            pass
+        return found
 
     def body(self, prompt_text, tokens, max_tokens, stream):
         out = {"model": "prefixmesh", "prompt": prompt_text, "max_tokens": max_tokens,
@@ -534,8 +549,9 @@ class _Bench:
     def cycle_prefixes(self, n: int, prefix_tokens: int = 500) -> list[str]:
         return [self.p.text(19_000 + j, prefix_tokens) for j in range(n)]
 
-    def cycle(self, n: int, passes: int, suffix_tokens: int = 8) -> dict:
-        prefixes = self.cycle_prefixes(n)
+    def cycle(self, n: int, passes: int, suffix_tokens: int = 8,
+              prefix_tokens: int = 500) -> dict:
+        prefixes = self.cycle_prefixes(n, prefix_tokens)
         cold: dict[str, list[float]] = {s.name: [] for s in self.servers}
         warm: dict[str, list[float]] = {s.name: [] for s in self.servers}
         for j, pre in enumerate(prefixes):
@@ -558,8 +574,9 @@ class _Bench:
                                    "cold_ttft_s": statistics.median(cold[name]),
                                    "samples": warm[name]} for name in warm}}
 
-    def restart(self, restarts: int, cache_gb: float, suffix_tokens: int = 8) -> dict:
-        pre = self.cycle_prefixes(1)[0]
+    def restart(self, restarts: int, cache_gb: float, suffix_tokens: int = 8,
+                prefix_tokens: int = 500) -> dict:
+        pre = self.cycle_prefixes(1, prefix_tokens)[0]
         # the prefix must be cached (and on disk) before the first stop
         for s in self.servers:
             self.one(s, pre + self.p.text(21_000, suffix_tokens), 1)
@@ -572,11 +589,14 @@ class _Bench:
         ready: dict[str, list[float]] = {s.name: [] for s in self.servers}
         ttft: dict[str, list[float]] = {s.name: [] for s in self.servers}
         cached: dict[str, list] = {s.name: [] for s in self.servers}
+        engine_ready: dict[str, list] = {s.name: [] for s in self.servers}
         for r in range(restarts):
             for s in _rotate(self.servers, r):
                 if isinstance(s, _Node):
                     _drop_page_cache(s.cache_dir)
                 ready[s.name].append(s.start())
+                if isinstance(s, _Node):
+                    engine_ready[s.name].append(s.engine_ready_s())
                 res = self.one(s, pre + self.p.text(21_100 + r, suffix_tokens), 1)
                 ttft[s.name].append(res.ttft_s)
                 cached[s.name].append(res.cached_tokens)
@@ -590,6 +610,7 @@ class _Bench:
                 "servers": {name: {"ready_s": statistics.median(ready[name]),
                                    "ttft_s": statistics.median(ttft[name]),
                                    "cached_tokens": cached[name],
+                                   "engine_ready_s": engine_ready[name],
                                    "samples_ready": ready[name], "samples_ttft": ttft[name]}
                             for name in ready}}
 
@@ -677,6 +698,7 @@ def bench_against_llama_server(binary: Path, *, model: str | None = None, thread
                                workloads: Sequence[str] = WORKLOADS,
                                modes: Sequence[str] = MODES, rounds: int = 5,
                                cycle_prefixes: int = 32, cycle_passes: int = 1,
+                               cycle_prefix_tokens: int = 500,
                                cache_gb: float = 1.5, restarts: int = 3, n_ctx: int = 8192,
                                workdir: str | None = None,
                                log: Callable[[str], None] = lambda m: None) -> dict:
@@ -718,9 +740,10 @@ def bench_against_llama_server(binary: Path, *, model: str | None = None, thread
             elif w == "concurrent":
                 out = bench.concurrent()
             elif w == "cycle":
-                out = bench.cycle(cycle_prefixes, cycle_passes)
+                out = bench.cycle(cycle_prefixes, cycle_passes,
+                                  prefix_tokens=cycle_prefix_tokens)
             elif w == "restart":
-                out = bench.restart(restarts, cache_gb)
+                out = bench.restart(restarts, cache_gb, prefix_tokens=cycle_prefix_tokens)
             else:
                 raise ValueError(f"unknown workload {w!r}")
             out["load_before"], out["load_after"] = before, _load()
@@ -808,6 +831,12 @@ def format_report(report: dict) -> str:
         lines.append("restart cache: " + ", ".join(
             f"{k} {v['bytes'] / 1e9:.2f} GB in {v['files']} files"
             for k, v in rst["cache"].items()))
+    if rst:
+        for k, v in rst["servers"].items():
+            if v.get("engine_ready_s"):
+                lines.append(f"restart {k}: ready {v['ready_s']:.2f} s, of which model load + "
+                             f"KV index (its log) {v['engine_ready_s']}; cached tokens after "
+                             f"restart {v.get('cached_tokens')}")
     if report.get("prompt_token_mismatches"):
         lines.append(f"WARNING: {report['prompt_token_mismatches']} prompt token count "
                      "mismatches")
@@ -822,6 +851,7 @@ def run_against_llama_server(args: argparse.Namespace) -> int:
         threads=1 if threads is None else int(threads),
         workloads=args.workloads, modes=args.modes, rounds=args.rounds,
         cycle_prefixes=args.cycle_prefixes, cycle_passes=args.cycle_passes,
+        cycle_prefix_tokens=args.cycle_prefix_tokens,
         cache_gb=args.cache_gb, restarts=args.restarts, n_ctx=args.n_ctx,
         log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(report, indent=2) if getattr(args, "json", False)
