@@ -102,6 +102,7 @@ from prefixmesh.inference.core.blocks import (
     namespace_id,
 )
 from prefixmesh.inference.core.radix import RadixTree
+from prefixmesh.inference.core.segments import SegmentTree
 from prefixmesh.node.config import DigestSection
 from prefixmesh.overlay.core import antientropy as _ae_mod
 from prefixmesh.overlay.core import digest as _digest_mod
@@ -183,6 +184,11 @@ class SimConfig:
     min_reuse_tokens: int | None = None  # None: ceil(restore_s * prefill_tps)
     kv_capacity_bytes: int = 512 * 1024 * 1024
     bytes_per_token: int = BYTES_PER_TOKEN
+    # the KV store's prefix-shared accounting (a stored prefix is kept once, extensions
+    # store only their own tokens; inference/core/segments.py); False: one whole state
+    # per cached prompt (the model before issue 17)
+    prefix_sharing: bool = True
+    min_share_tokens: int = 16  # the engine's min_snapshot_tokens (branch points)
     gossip_interval_s: float = 1.0
     gossip_fanout: int = 3  # node default ([digest] fanout)
     gossip_budget_bytes: int = 64 * 1024
@@ -328,7 +334,7 @@ class _Node:
         "idx", "ident", "pid", "ae", "index", "policy", "tree", "queue", "busy", "busy_until",
         "queued_work", "served", "busy_time", "svc_mean", "liar", "lies", "trust",
         "true_blocks", "bytes_sent", "rr_entry", "current", "rent", "placements", "memory",
-        "pd", "lookup_bytes", "side", "planner", "links", "gossip_round",
+        "pd", "lookup_bytes", "side", "planner", "links", "gossip_round", "cache",
     )  # fmt: skip
 
 
@@ -527,7 +533,16 @@ class Simulator:
             cfg.policy, self.routing, random.Random(self.rng.getrandbits(64)), n.pid
         )
         n.true_blocks = {}
-        n.tree = RadixTree(cfg.kv_capacity_bytes, on_evict=functools.partial(self._evicted, n))
+        if cfg.prefix_sharing:  # the KV store's accounting (inference/core/segments.py)
+            n.cache = SegmentTree(cfg.kv_capacity_bytes, cfg.bytes_per_token,
+                                  min_share=cfg.min_share_tokens,
+                                  on_evict=functools.partial(self._evicted_state, n),
+                                  on_store=functools.partial(self._stored_state, n))
+            n.tree = None
+        else:
+            n.cache = None
+            n.tree = RadixTree(cfg.kv_capacity_bytes,
+                               on_evict=functools.partial(self._evicted, n))
         n.queue = deque()
         n.busy = False
         n.busy_until = 0.0
@@ -569,7 +584,16 @@ class Simulator:
         return req.chain
 
     def _evicted(self, node: _Node, entry) -> None:
-        chain = entry.payload
+        self._evicted_state(node, entry.tokens, entry.payload)
+
+    def _stored_state(self, node: _Node, tokens, chain) -> None:
+        if chain:
+            self._advertise(node, chain)  # liars advertise real ones too
+            tb = node.true_blocks
+            for h in chain:
+                tb[h] = tb.get(h, 0) + 1
+
+    def _evicted_state(self, node: _Node, tokens, chain) -> None:
         if chain:
             self._unadvertise(node, chain)
             tb = node.true_blocks
@@ -669,7 +693,7 @@ class Simulator:
         req = sr.req
         tokens = req.tokens
         chain = self._chain(req)
-        local_matched = min(node.tree.match(tokens).length, len(tokens))
+        local_matched = min(self._local_match(node, tokens), len(tokens))
         if self.cfg.policy == "oracle":
             self._oracle_arrive(node, sr, chain, local_matched)
             return
@@ -688,6 +712,13 @@ class Simulator:
             self._forward(node, sr, plan.peer, est)
             return
         self._enqueue(node, sr, local_matched)
+
+    @staticmethod
+    def _local_match(node: _Node, tokens) -> int:
+        """What the node's engine says it holds of ``tokens`` (marks it used)."""
+        if node.cache is not None:
+            return node.cache.lookup_length(tokens)
+        return node.tree.match(tokens).length
 
     def _plan_input(self, node: _Node, sr: _Req, chain: list[bytes], local_matched: int
                     ) -> PlanInput:
@@ -838,7 +869,7 @@ class Simulator:
         req = sr.req
         tokens = req.tokens
         n_tok = len(tokens)
-        m = node.tree.match(tokens).length
+        m = node.cache.match(tokens) if node.cache is not None else node.tree.match(tokens).length
         reused = min(m, n_tok - 1)
         if reused < self.min_reuse:
             reused = 0
@@ -883,7 +914,11 @@ class Simulator:
         chain = self._chain(req)
         if chain:
             self.recent_chains.append(chain)
-        if node.tree.get(tokens) is None:
+        if node.cache is not None:
+            # the engine's snapshot and the store's prefix-shared accounting: a branch
+            # point becomes its own state, extensions store only their own tokens
+            node.cache.save(tokens, lambda n: chain[: n // BLOCK_TOKENS])
+        elif node.tree.get(tokens) is None:
             size = len(tokens) * self.cfg.bytes_per_token
             entry = node.tree.insert(tokens, chain, size)
             if entry is not None and chain:
@@ -912,7 +947,7 @@ class Simulator:
                 decode_tps=cfg.decode_tps,
             ),
             cfg.kv_capacity_bytes,
-            node.tree.used_bytes,
+            node.cache.used_bytes if node.cache is not None else node.tree.used_bytes,
         )
         node.gossip_round()
 
@@ -1293,6 +1328,10 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tps", type=float, default=d.decode_tps)
     p.add_argument("--restore-s", type=float, default=d.restore_s)
     p.add_argument("--kv-capacity-mb", type=float, default=d.kv_capacity_bytes / 2**20)
+    p.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction,
+                   default=d.prefix_sharing,
+                   help="KV accounting of the store: a shared prefix is stored once "
+                        "(--no-prefix-sharing: one whole state per cached prompt)")
     p.add_argument("--gossip-interval", type=float, default=d.gossip_interval_s)
     p.add_argument("--fanout", type=int, default=d.gossip_fanout)
     p.add_argument("--min-record-interval", type=float, default=d.min_record_interval_s,
@@ -1339,6 +1378,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         decode_tps=ns.decode_tps,
         restore_s=ns.restore_s,
         kv_capacity_bytes=int(ns.kv_capacity_mb * 2**20),
+        prefix_sharing=ns.prefix_sharing,
         gossip_interval_s=ns.gossip_interval,
         gossip_fanout=ns.fanout,
         min_record_interval_s=ns.min_record_interval,

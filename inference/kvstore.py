@@ -88,6 +88,7 @@ from functools import wraps
 from pathlib import Path
 
 from .core.radix import Entry, RadixTree
+from .core.segments import ram_entry_bytes  # the RAM accounting (shared with the simulator)
 
 __all__ = [
     "MAGIC",
@@ -116,7 +117,6 @@ MAX_STATE_TOKENS = 1 << 20
 _HEADER = struct.Struct("<4sHH32s8sIQ")
 FLAG_SEGMENT = 1  # a u32 ``base`` follows the header: the state holds tokens [base, n_tokens)
 _BASE = struct.Struct("<I")
-_RAM_TOKEN_OVERHEAD = 4
 
 
 class KVStoreError(Exception):
@@ -773,8 +773,7 @@ class KVStore:
                 try:
                     for e, data in zip(chain, datas, strict=True):
                         if self._ram.get(e.tokens) is None:
-                            size = len(_as_bytes_view(data)) + _RAM_TOKEN_OVERHEAD * len(
-                                e.tokens)
+                            size = ram_entry_bytes(len(_as_bytes_view(data)), len(e.tokens))
                             if self._link(self._ram, e.tokens,
                                           _RamItem(ns_id, data, e.payload.base), size) is None:
                                 break
@@ -841,7 +840,7 @@ class KVStore:
                         tree.remove(key)
             finally:
                 self._replacing.discard(key)
-            size = len(_as_bytes_view(data)) + _RAM_TOKEN_OVERHEAD * len(key)
+            size = ram_entry_bytes(len(_as_bytes_view(data)), len(key))
             in_ram = self._link(self._ram, key, _RamItem(ns_id, data, base), size) is not None
             # write-behind: every new state is queued for disk at once
             on_disk = self._write_disk(ns_id, key, data, base)
@@ -906,7 +905,7 @@ class KVStore:
                 n = len(_as_bytes_view(data))
                 if tree is self._ram:
                     item.data = data
-                    tree.insert(key, item, n + _RAM_TOKEN_OVERHEAD * len(key))  # smaller
+                    tree.insert(key, item, ram_entry_bytes(n, len(key)))  # smaller
                 else:
                     item.size = self._file_size(key, n, new_base)
                     item.data = data
