@@ -84,6 +84,8 @@ NODE_START_TIMEOUT_S = 90.0
 CHURN_FIELDS = ("churn", "churn_minutes", "churn_pre_s", "churn_post_s", "churn_interval_s",
                 "churn_down_s", "churn_attempt_timeout_s", "churn_attempts", "churn_baseline",
                 "churn_idle_s", "start_batch")
+#: left out of the result's config while the real model runs
+SIM_FIELDS = ("backend", "sim_prefill_tps", "sim_decode_tps")
 MESH_TIMEOUT_S = 60.0
 #: token ids of the synthetic fallback stay below this (SmolLM2's vocabulary is 49,152)
 SYNTHETIC_VOCAB = 32_000
@@ -127,6 +129,11 @@ class SwarmBenchConfig:
     churn_baseline: bool = True  # also run the same replay without churn (hit-ratio reference)
     churn_idle_s: float = 30.0  # idle window after the replay: membership + digest bytes
     start_batch: int = 8  # churn mode: node processes started in parallel
+    # the nodes' engine: the real model, or the simulated engine (no model, no CPU: it
+    # sleeps prefill and decode at these rates and keeps a real prefix tree)
+    backend: str = "llama"  # llama | sim
+    sim_prefill_tps: float = 300.0
+    sim_decode_tps: float = 30.0
 
     def churn_fields_default(self) -> bool:
         d = SwarmBenchConfig()
@@ -163,6 +170,8 @@ class SwarmBenchConfig:
             raise SwarmBenchError(f"--max-tokens must be 1..256, got {self.max_tokens}")
         if self.n_ctx < self.max_tokens + CTX_SLACK_TOKENS + 32:
             raise SwarmBenchError(f"--n-ctx {self.n_ctx} is too small")
+        if self.backend not in ("llama", "sim"):
+            raise SwarmBenchError(f"--backend must be llama or sim, got {self.backend!r}")
         if self.workload not in ("mmlu", "synthetic"):
             raise SwarmBenchError(f"--workload must be mmlu or synthetic, got {self.workload!r}")
 
@@ -258,6 +267,9 @@ class NodeProcess:
         ]
         if link_delay_ms:
             self.args += ["--link-delay-ms", str(link_delay_ms)]
+        if cfg.backend == "sim":
+            self.args += ["--backend", "sim", "--sim-prefill-tps", str(cfg.sim_prefill_tps),
+                          "--sim-decode-tps", str(cfg.sim_decode_tps)]
         self.proc: subprocess.Popen | None = None
         self.addrs: list[str] = []
 
@@ -889,7 +901,7 @@ async def _churn_replay(nodes: Sequence[NodeProcess], trace: Sequence[TraceReque
     async with trio.open_nursery() as top:
         for h in holders:
             top.start_soon(hold, h)
-        mesh_s = await wait_all_up(MESH_TIMEOUT_S + n * 3.0)
+        mesh_s = await wait_all_up(MESH_TIMEOUT_S + n * 1.5)
         if not tenant_box:
             top.cancel_scope.cancel()
             raise SwarmBenchError(f"churn mode: no node of {n} answered the client")
@@ -1033,7 +1045,10 @@ def format_churn_table(result: dict[str, Any]) -> str:
         f"down {cfg['churn_down_s']:g} s), after {cfg['churn_post_s']:g} s",
         f"arrivals {cfg['rate']:g} req/s at random entry nodes; a request tries at most "
         f"{cfg['churn_attempts']} entries, {cfg['churn_attempt_timeout_s']:g} s each; "
-        f"max_tokens {cfg['max_tokens']}",
+        f"max_tokens {cfg['max_tokens']}; engine "
+        + ("the real model" if cfg.get("backend", "llama") == "llama" else
+           f"simulated ({cfg['sim_prefill_tps']:g} prefill / {cfg['sim_decode_tps']:g} decode "
+           "tok/s, no model)"),
         f"workload: {result['trace']['source']}",
         f"network: {net['note']}",
         "",
@@ -1067,6 +1082,16 @@ def format_churn_table(result: dict[str, Any]) -> str:
                     f"p99 {_fmt(d['all_p99_s'], '.2f')} s; single node median "
                     f"{_fmt(d['node_median_s'], '.2f')} s, p99 {_fmt(d['node_p99_s'], '.2f')} s "
                     f"({d['observations']} observations)")
+        for label, key, wait in (("start", "mesh_up_counts_at_start", "mesh_wait_s"),
+                                 ("end", "mesh_up_counts_before_idle", "recovered_mesh_s")):
+            counts = r.get(key) or []
+            if counts:
+                full = r.get(wait) is not None
+                lines.append(f"{r['run']}: mesh at the {label}: "
+                             + (f"every node saw all others up after {r[wait]:.0f} s" if full
+                                else f"incomplete; peers up per node min {min(counts)}, "
+                                f"median {sorted(counts)[len(counts) // 2]} of "
+                                f"{len(counts) - 1}"))
         skipped = sum(1 for e in r["events"] if "skipped" in e)
         failed = sum(1 for e in r["events"] if "restart_failed" in e)
         if r["events"]:
@@ -1264,6 +1289,8 @@ def run_swarm_bench(cfg: SwarmBenchConfig) -> dict[str, Any]:
 
             shutil.rmtree(tmp, ignore_errors=True)
     hidden = ("keep",) if cfg.churn > 0 else ("keep", *CHURN_FIELDS)
+    if cfg.backend == "llama":
+        hidden = (*hidden, *SIM_FIELDS)
     out = {
         "config": {k: v for k, v in asdict(cfg).items() if k not in hidden},
         "trace": {"source": trace.source, "requests": len(trace.requests),
@@ -1370,6 +1397,12 @@ def add_swarm_arguments(p: argparse.ArgumentParser) -> None:
                    "are measured")
     g.add_argument("--no-churn-baseline", action="store_true",
                    help="skip the reference run without churn")
+    g.add_argument("--backend", choices=["llama", "sim"], default=d.backend,
+                   help="the nodes' engine: the real model or the simulated one (no CPU)")
+    g.add_argument("--sim-prefill-tps", type=float, default=d.sim_prefill_tps,
+                   help="simulated engine: prompt tokens per second")
+    g.add_argument("--sim-decode-tps", type=float, default=d.sim_decode_tps,
+                   help="simulated engine: output tokens per second")
     g.add_argument("--start-batch", type=int, default=d.start_batch,
                    help="node processes started in parallel (churn mode)")
 
@@ -1389,9 +1422,12 @@ def config_from_namespace(ns: argparse.Namespace) -> SwarmBenchConfig:
 
 
 def _churn_options(ns: argparse.Namespace) -> dict[str, Any]:
+    sim = {} if getattr(ns, "backend", "llama") == "llama" else {
+        "backend": ns.backend, "sim_prefill_tps": ns.sim_prefill_tps,
+        "sim_decode_tps": ns.sim_decode_tps}
     if not getattr(ns, "churn", 0.0):
-        return {}
-    return {
+        return sim
+    return {**sim,
         "churn": ns.churn, "churn_minutes": ns.churn_minutes, "churn_pre_s": ns.churn_pre,
         "churn_post_s": ns.churn_post, "churn_interval_s": ns.churn_interval,
         "churn_down_s": ns.churn_down, "churn_attempt_timeout_s": ns.churn_attempt_timeout,
