@@ -3,8 +3,9 @@
 Nothing of the protocol is reimplemented here. Every simulated node owns the same objects
 a real node owns:
 
-- a :class:`~prefixmesh.inference.core.radix.RadixTree` of cached prompts (token ids), with its
-  byte budget and LRU eviction (``kv_capacity_bytes``, ``bytes_per_token`` per token);
+- a :class:`~prefixmesh.inference.core.segments.SegmentTree` of cached prompt states (the KV
+  store's prefix-shared accounting on a radix tree), with its byte budget and LRU eviction
+  (``kv_capacity_bytes``, ``bytes_per_token`` per stored token);
 - an :class:`~prefixmesh.overlay.core.antientropy.AntiEntropy` state with its own Ed25519
   identity, issuing real signed :class:`~prefixmesh.overlay.core.digest.DigestRecord` bytes;
   exchanges are push-pull over simulated links, and every message is the real encoded
@@ -30,10 +31,14 @@ Service model (defaults: measured SmolLM2-135M figures, docs in dependency-facts
     path; end-to-end adds decode. ``reused`` is the radix match at the serving node, capped
     at ``prompt - 1`` (the last token must be evaluated to get logits), and only taken
     when it pays (``reused >= min_reuse_tokens``, by default ``restore_s * prefill_tps``
-    tokens). After serving, the prompt is inserted into the tree (size ``prompt *
-    bytes_per_token``; one saved sequence state per cached prompt, as the KV store keeps
-    them) and its block chain is added to the node's anti-entropy state; evictions remove
-    theirs.
+    tokens). After serving, the prompt is saved as the engine saves it, with the KV
+    store's prefix-shared accounting (``inference/core/segments.SegmentTree``, the same
+    byte charge ``KVStore`` uses: a state stores only the tokens past the longest stored
+    prefix, ``bytes_per_token`` each, a branch point with a stored prompt becomes a state
+    of its own and the other is rebased onto it, parents are pinned); each stored state's
+    block chain is added to the node's anti-entropy state; evictions remove theirs.
+    ``prefix_sharing=False``: one whole state per cached prompt (the model before issue
+    17).
 
 Deliberate simplifications
     Constant prefill/decode rates (no context-length dependence); no batching; links are
