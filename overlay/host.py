@@ -342,12 +342,27 @@ class OverlayHost:
                     yield self
                 finally:
                     self._nursery = None
+                    # py-libp2p's own exit leaves its connections' sockets open: the peer
+                    # would hold a dead connection (and an inbound slot) until it notices
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        await self._close_connections()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             lone = _lone_exception(group)
             if lone is None:
                 raise
             raise lone from None
+
+    async def _close_connections(self) -> None:
+        network = self.libp2p.get_network()
+
+        async def close(pid) -> None:
+            with contextlib.suppress(Exception):
+                await network.close_peer(pid)
+
+        async with trio.open_nursery() as nursery:  # all at once: a stop stays quick
+            for pid in list(network.connections):
+                nursery.start_soon(close, pid)
 
     # --- addresses -------------------------------------------------------------------
 

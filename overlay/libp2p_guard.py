@@ -32,6 +32,19 @@ heartbeat's (global rate, per-address and per-/24 budgets, in flight), and uses 
 addresses the gate admitted; over budget it fails at once (:data:`LIBRARY_DIALS_REFUSED`).
 The node's own dials (``OverlayHost.connect``, already admitted by the heartbeat or made
 to a configured bootstrap peer) run inside :func:`own_dial` and are not charged twice.
+
+Inbound slots: py-libp2p caps inbound connections with a ``CapacityLimiter`` whose token
+each inbound handler holds until it returns, and the handler does not return when its
+connection closes: after the upgrade it waits for the *swarm* to finish
+(``network/swarm.py`` ``_do_handle_inbound_connection``: "Intentional barrier: keep
+handler alive"). So the cap counted every inbound connection since start, and after
+``max_connections`` of them (a day of `prefixmesh ask` calls, or one Sybil flood plus the
+honest clients around it) the node refused every new inbound connection for good
+(measured: 200 Sybil identities, then honest clients, each on a new connection: all
+refused from about the 500th connection, also after the attacker left).
+:func:`install_guards` ends a handler's wait when its own connection closes
+(:func:`release_inbound_on_close`), so the token, the handler task and what it holds go
+back with the connection; the cap now counts live inbound connections.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 import trio
+from libp2p.abc import INotifee
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStore
@@ -110,6 +124,62 @@ def install_guards(libp2p_host, peerstore: GuardedPeerStore, dial_gate: DialGate
     network.retry_config = RetryConfig(max_retries=0)
     network.common_stream_handler = guard_stream_handler(network.common_stream_handler)
     network.dial_peer = gate_library_dials(network, peerstore, dial_gate)
+    release_inbound_on_close(network)
+
+
+#: the cancel scope of the inbound handler now upgrading a connection (its own task)
+_INBOUND_SCOPE: contextvars.ContextVar[trio.CancelScope | None] = contextvars.ContextVar(
+    "inbound_scope", default=None)
+
+
+def release_inbound_on_close(network) -> None:
+    """End each inbound handler's keep-alive wait when its connection closes (module
+    docstring, "Inbound slots"): the handler runs in a cancel scope, the upgrade notes
+    which connection that scope belongs to, and the disconnect notification cancels it;
+    py-libp2p's ``finally`` then gives the inbound token back."""
+    scopes: dict[int, trio.CancelScope] = {}  # id(muxed conn) -> its handler's scope
+    handle = network._do_handle_inbound_connection
+    upgrade = network.upgrade_inbound_raw_conn
+
+    async def handle_in_scope(read_write_closer, maddr, failure_event) -> None:
+        with trio.CancelScope() as scope:
+            token = _INBOUND_SCOPE.set(scope)
+            try:
+                await handle(read_write_closer, maddr, failure_event)
+            finally:
+                _INBOUND_SCOPE.reset(token)
+
+    async def upgrade_noted(raw_conn, maddr):
+        muxed = await upgrade(raw_conn, maddr)
+        scope = _INBOUND_SCOPE.get()
+        if scope is not None:
+            scopes[id(muxed)] = scope
+        return muxed
+
+    class _Closed(INotifee):
+        async def disconnected(self, network, conn) -> None:
+            scope = scopes.pop(id(getattr(conn, "muxed_conn", None)), None)
+            if scope is not None:
+                scope.cancel()
+
+        async def connected(self, network, conn) -> None:
+            pass
+
+        async def opened_stream(self, network, stream) -> None:
+            pass
+
+        async def closed_stream(self, network, stream) -> None:
+            pass
+
+        async def listen(self, network, multiaddr) -> None:
+            pass
+
+        async def listen_close(self, network, multiaddr) -> None:
+            pass
+
+    network._do_handle_inbound_connection = handle_in_scope
+    network.upgrade_inbound_raw_conn = upgrade_noted
+    network.register_notifee(_Closed())
 
 
 class LibraryDialRefused(Exception):

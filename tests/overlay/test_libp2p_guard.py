@@ -113,3 +113,25 @@ def test_library_dials_pass_the_dial_gate_and_own_dials_are_not_charged_twice():
             assert node.is_connected(honest.peer_id) and gate.admitted == admitted
 
     trio.run(main)
+
+
+def test_an_inbound_slot_comes_back_when_its_connection_closes():
+    """py-libp2p 0.8.1's inbound handler held its slot until the swarm stopped, so the cap
+    counted every inbound connection since start and a node refused all new ones after
+    max_connections of them (issue 14, the soak). With a cap of 4 here, 12 clients one
+    after the other (each closing at the end, like `prefixmesh ask`) all get in."""
+
+    async def main():
+        node = OverlayHost(Identity.generate())
+        async with node.run():
+            limiter = node.libp2p.get_network()._inbound_limiter = trio.CapacityLimiter(4)
+            for _ in range(12):
+                client = OverlayHost(Identity.generate())
+                async with client.run():
+                    await client.connect(node.peer_id, node.listen_addrs(), 5)
+                with trio.fail_after(5):  # the node notices the close and frees the slot
+                    while limiter.borrowed_tokens:
+                        await trio.sleep(0.02)
+            assert limiter.borrowed_tokens == 0
+
+    trio.run(main)

@@ -181,17 +181,20 @@ def test_inbound_subnet_cap_closes_connections_past_a_subnets_share():
                 await h.connect(b.peer_id, b.listen_addrs(), 5)
                 assert await ping(h, b, 3)
                 await h.disconnect(b.peer_id)
-            # A left, but its connection lingers at H until the heartbeat calls it down:
-            # then B's dial reclaims A's slot
-            with contextlib.suppress(Exception):
+                # A freezes (its connection lingers at H) until the heartbeat calls it
+                # down: then B's dial reclaims A's slot
+                with contextlib.suppress(Exception):
+                    await b.connect(h.peer_id, h.listen_addrs(), 5)
+                await wait(lambda: h.inbound_refused == 2)
+                h.peer_is_down = lambda p: p == a.peer_id
+                await wait(lambda: not h.is_connected(b.peer_id))
                 await b.connect(h.peer_id, h.listen_addrs(), 5)
-            await wait(lambda: h.inbound_refused == 2)
-            h.peer_is_down = lambda p: p == a.peer_id
-            await wait(lambda: not h.is_connected(b.peer_id))
-            await b.connect(h.peer_id, h.listen_addrs(), 5)
-            assert await ping(b, h, 4)
-            assert cap.counts() == {"127.0.0.0/24": 1} and h.inbound_refused == 2
-            await wait(lambda: not h.is_connected(a.peer_id))  # the stale one was closed
+                assert await ping(b, h, 4)
+                assert cap.counts() == {"127.0.0.0/24": 1} and h.inbound_refused == 2
+                await wait(lambda: not h.is_connected(a.peer_id))  # the stale one was closed
+            # a peer that stops cleanly closes its connection: its slot is free at once
+            await b.disconnect(h.peer_id)
+            await wait(lambda: cap.counts() == {})
 
     trio.run(main)
 
