@@ -3,8 +3,9 @@
 A reply lists up to ``wire.MAX_PEERS_LISTED`` peers (~100 KB with a full directory) and
 building it walks the directory, the peer index and the heartbeat table. Unbounded, a
 few identities asking in a loop keep a core busy (issue 14, adversarial suite: PEERS
-query flood). So the reply is built and encoded at most once per
-:data:`REPLY_REUSE_S` and shared by every query in that window, and each peer may ask
+query flood). So a reply is built fresh for at most :data:`FRESH_REPLIES_PER_S` queries a
+second; past that the last one built is shared (it is at most :data:`REPLY_REUSE_S` old),
+and each peer may ask
 :data:`QUERY_RATE_PER_S` times a second after a burst of :data:`QUERY_BURST`; over it
 the answer is an ``overloaded`` ERROR frame with a retry hint.
 """
@@ -19,12 +20,15 @@ from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.limits import PeerRateLimiter
 from prefixmesh.overlay.host import FramedStream, HostError, remote_peer
 
-__all__ = ["PeersService", "QUERY_BURST", "QUERY_RATE_PER_S", "REPLY_REUSE_S"]
+__all__ = ["FRESH_REPLIES_PER_S", "PeersService", "QUERY_BURST", "QUERY_RATE_PER_S",
+           "REPLY_REUSE_S"]
 
 log = logging.getLogger(__name__)
 
-#: how long one built reply is reused: `prefixmesh peers` and the dashboard poll every
-#: few seconds, and a second-old view of the mesh is as good as a fresh one
+#: replies built fresh per second (an operator's `prefixmesh peers`, a script waiting for
+#: a mesh, see the state of the moment); a flood shares the last one built ...
+FRESH_REPLIES_PER_S = 4.0
+#: ... which is rebuilt once it is this old: a second-old view of the mesh is as good
 REPLY_REUSE_S = 1.0
 #: queries one peer may send per second once its burst is spent: scripts waiting for a
 #: mesh to form poll a few times a second; a flood's cost is bounded by the shared reply
@@ -41,6 +45,7 @@ class PeersService:
         self.build = build
         self.clock = clock
         self._limiter = PeerRateLimiter(QUERY_RATE_PER_S, QUERY_BURST)
+        self._fresh = PeerRateLimiter(FRESH_REPLIES_PER_S, FRESH_REPLIES_PER_S, max_peers=1)
         self._encoded: bytes | None = None
         self._built_at = -1e18
         self.builds = 0
@@ -48,9 +53,10 @@ class PeersService:
         self.refused = 0
 
     def reply_bytes(self) -> bytes:
-        """The encoded reply, rebuilt when the last one is older than REPLY_REUSE_S."""
+        """The encoded reply: fresh while few ask, else the last one built (module doc)."""
         now = self.clock()
-        if self._encoded is None or now - self._built_at >= REPLY_REUSE_S:
+        fresh = self._fresh.allow(b"", now)  # every build takes a token, the first too
+        if fresh or self._encoded is None or now - self._built_at >= REPLY_REUSE_S:
             self._encoded = wire.encode_frame(self.build())
             self._built_at = now
             self.builds += 1

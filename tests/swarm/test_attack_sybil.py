@@ -5,7 +5,7 @@ share the node reserves, 256; loopback is exempt from the per-/24 cap, so all of
 in) and 4 identities query PEERS in a loop, an honest client sends 20
 sequential requests, each on a new connection with a fresh identity. Asserted: every
 honest request is answered, the node still accepts new connections and is alive, the
-PEERS reply is built at most once a second however fast the flood asks. Figures (printed): honest median latency
+PEERS reply is built at most a few times a second however fast the flood asks. Figures (printed): honest median latency
 unattacked vs attacked (same run), connections admitted/refused, PEERS replies/refusals."""
 
 from __future__ import annotations
@@ -72,6 +72,6 @@ def test_connection_and_peers_floods_from_many_identities(tmp_path):
             N_IDENTITIES
         flood = figures["peers_flood"]
         assert flood["replies"] > 0, flood
-        # however fast the flood asked, the reply was built at most once per reuse window
-        assert figures["peers_built"] <= figures["flood_s"] / peers_service.REPLY_REUSE_S + 4
+        # however fast the flood asked, the reply was built a few times a second at most
+        assert figures["peers_built"] <= figures["flood_s"] * peers_service.FRESH_REPLIES_PER_S + 8
         assert figures["peers_answered"] >= flood["replies"]
