@@ -41,6 +41,7 @@ from prefixmesh.bench.attack_nodes import honest_request, open_fds, rss_mib, spa
 ROOT = Path(__file__).resolve().parents[1]
 FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
 SAMPLE_EVERY_S = 10.0
+ATTACKS = ("flood", "slowloris", "sybil")
 FLOOD_EVERY_S = 60.0
 
 
@@ -50,6 +51,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quiet-s", type=float, default=60.0,
                     help="length of the unattacked phase and of the after phase (default 60)")
     ap.add_argument("--nodes", type=int, default=3, help="node processes (default 3)")
+    ap.add_argument("--attacks", default=",".join(ATTACKS),
+                    help=f"which attacks, comma-separated (default all: {','.join(ATTACKS)})")
     ap.add_argument("--backend", choices=("llama", "sim"), default="llama",
                     help="the nodes' engine: the embedded model (default) or simulated")
     ap.add_argument("--seed", type=int, default=0, help="the honest client's choices")
@@ -67,7 +70,8 @@ def _proc_sample(pid: int) -> tuple[float | None, int | None]:
 # --- the attacker process ---------------------------------------------------------------
 
 
-async def _attack(addrs: list[str], foreign: list[str], duration_s: float) -> dict:
+async def _attack(addrs: list[str], foreign: list[str], duration_s: float,
+                  attacks: frozenset[str] = frozenset(ATTACKS)) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from adversary.digest_flood import flood
     from adversary.slowloris import slowloris
@@ -93,16 +97,20 @@ async def _attack(addrs: list[str], foreign: list[str], duration_s: float) -> di
     async def endless() -> None:  # the attacks that run until told to stop
         with trio.move_on_after(duration_s):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(floods)
-                nursery.start_soon(connection_flood, addrs[-1], 200, conns)
-                nursery.start_soon(peers_flood, addrs[-1], 2, peers)
+                if "flood" in attacks:
+                    nursery.start_soon(floods)
+                if "sybil" in attacks:
+                    nursery.start_soon(connection_flood, addrs[-1], 200, conns)
+                    nursery.start_soon(peers_flood, addrs[-1], 2, peers)
+                await trio.sleep_forever()
 
     async with trio.open_nursery() as nursery:  # slowloris stops by itself, with figures
         nursery.start_soon(endless)
-        nursery.start_soon(lambda: slow("slowloris", protocols=["infer", "digest", "peers",
-                                                                 "ping"], identities=3, streams=8))
-        nursery.start_soon(lambda: slow("infer_slots", protocols=["infer"], identities=8,
-                                        streams=64, gap_s=5.0))
+        if "slowloris" in attacks:
+            nursery.start_soon(lambda: slow("slowloris", protocols=[
+                "infer", "digest", "peers", "ping"], identities=3, streams=8))
+            nursery.start_soon(lambda: slow("infer_slots", protocols=["infer"], identities=8,
+                                            streams=64, gap_s=5.0))
     out.update(sybil=conns, peers_flood=peers)
     return out
 
@@ -162,7 +170,8 @@ async def _run(procs: list[subprocess.Popen], addrs: list[str], args) -> dict:
         phases["unattacked"] = _phase(await honest_for(args.quiet_s))
         duration_s = args.minutes * 60.0
         cmd = [sys.executable, "-m", "prefixmesh.bench.attack_soak", "--attacker",
-               ",".join(addrs), "--foreign", ",".join(foreign), "--minutes", str(args.minutes)]
+               ",".join(addrs), "--foreign", ",".join(foreign), "--minutes", str(args.minutes),
+               "--attacks", args.attacks]
         attacker = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
         t_attack = time.monotonic()
         attacked = await honest_for(duration_s)
@@ -178,6 +187,7 @@ async def _run(procs: list[subprocess.Popen], addrs: list[str], args) -> dict:
         nursery.cancel_scope.cancel()
     return {
         "nodes": len(procs), "backend": args.backend, "minutes": args.minutes,
+        "attacks": args.attacks,
         "phases": phases,
         "foreign_dials_per_min": round(dials_in_attack * 60.0 / max(attack_s, 1.0), 1),
         "alive": [p.poll() is None for p in procs],
@@ -207,10 +217,13 @@ def _table(fig: dict) -> str:
 def run_bench_attack_soak(args: argparse.Namespace) -> int:
     if args.attacker:  # the attacker process
         print(json.dumps(trio.run(_attack, args.attacker.split(","), args.foreign.split(","),
-                                  args.minutes * 60.0)))
+                                  args.minutes * 60.0, frozenset(args.attacks.split(",")))))
         return 0
-    if args.nodes < 2 or args.minutes <= 0 or args.quiet_s <= 0:
-        print("attack-soak: --nodes must be >= 2, --minutes and --quiet-s > 0", file=sys.stderr)
+    unknown = set(args.attacks.split(",")) - set(ATTACKS)
+    if args.nodes < 1 or args.minutes <= 0 or args.quiet_s <= 0 or unknown:
+        print("attack-soak: --nodes must be >= 1, --minutes and --quiet-s > 0, --attacks "
+              f"among {','.join(ATTACKS)}" + (f" (unknown: {','.join(sorted(unknown))})"
+                                               if unknown else ""), file=sys.stderr)
         return 2
     root = Path(tempfile.mkdtemp(prefix="soak-"))
     procs: list[subprocess.Popen] = []

@@ -28,8 +28,10 @@ def test_the_table_has_one_row_per_phase_and_sample():
 def test_bad_arguments_are_refused_with_a_message(capsys):
     ap = argparse.ArgumentParser()
     attack_soak.add_arguments(ap)
-    assert attack_soak.run_bench_attack_soak(ap.parse_args(["--nodes", "1"])) == 2
-    assert "--nodes must be >= 2" in capsys.readouterr().err
+    assert attack_soak.run_bench_attack_soak(ap.parse_args(["--nodes", "0"])) == 2
+    assert "--nodes must be >= 1" in capsys.readouterr().err
+    assert attack_soak.run_bench_attack_soak(ap.parse_args(["--attacks", "sybil,nuke"])) == 2
+    assert "(unknown: nuke)" in capsys.readouterr().err
 
 
 def test_phase_figures():
