@@ -250,6 +250,7 @@ class Node:
         self.directory.merit = self.heartbeat.merit
         self.heartbeat.persistent = lambda p: "bootstrap" in self.directory.sources_of(p)
         self.host.peer_is_down = self.heartbeat.is_down
+        self.host.peer_is_known = self.heartbeat.is_known
         rc = config.routing
         self.policy = make_policy(
             rc.policy,
@@ -624,6 +625,7 @@ class Node:
         out.update(peers_answered=ps.answered, peers_refused=ps.refused, peers_built=ps.builds)
         if self.host.inbound_cap is not None:
             out["inbound_refused"] = self.host.inbound_refused
+        out["inbound_evicted"] = self.host.inbound_evicted
         trust = self.infer.trust
         if trust is not None:  # observed peers' trust, per mille (overlay/core/trust.py)
             mono = time.monotonic()

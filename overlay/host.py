@@ -64,6 +64,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from .core import wire
+from .core.admission import InboundConn, inbound_victim
 from .core.dialing import DialGate
 from .core.digest import DigestError
 from .core.identity import Identity, peer_id_to_b58
@@ -227,7 +228,8 @@ def _remote_multiaddr(conn) -> str:
 
 
 class _InboundGate(INotifee):
-    """Applies :attr:`OverlayHost.inbound_cap` to connections peers dial to us."""
+    """Applies :attr:`OverlayHost.inbound_cap` to connections peers dial to us, and keeps
+    room for newcomers (:func:`~.core.admission.inbound_victim`)."""
 
     def __init__(self, host: OverlayHost) -> None:
         self.host = host
@@ -237,6 +239,9 @@ class _InboundGate(INotifee):
             return
         peer = conn.muxed_conn.peer_id.to_bytes()
         host = self.host
+        await self._make_room(network, peer)
+        if host.inbound_cap is None:
+            return
 
         def is_stale(p: bytes) -> bool:
             return not network.get_connections(ID(p)) or host.peer_is_down(p)
@@ -253,10 +258,27 @@ class _InboundGate(INotifee):
         with contextlib.suppress(Exception):
             await conn.close()
 
+    async def _make_room(self, network, newcomer: bytes) -> None:
+        conns = []
+        for c in network.get_connections():
+            if str(getattr(c, "direction", "")) != "inbound":
+                continue
+            with contextlib.suppress(Exception):
+                p = c.muxed_conn.peer_id.to_bytes()
+                conns.append(InboundConn(p, self.host.peer_is_known(p), len(c.get_streams()),
+                                         getattr(c, "_created_at", 0.0)))
+        victim = inbound_victim(conns, newcomer)
+        if victim is not None:
+            self.host.inbound_evicted += 1
+            log.debug("inbound connections near py-libp2p's limit: closed %s's for a newcomer",
+                      peer_id_to_b58(victim)[-8:])
+            with contextlib.suppress(Exception):
+                await self.host.disconnect(victim)
+
     async def disconnected(self, network, conn) -> None:
         peer_id = conn.muxed_conn.peer_id
-        if not network.get_connections(peer_id):  # its last connection went
-            self.host.inbound_cap.release(peer_id.to_bytes())
+        if self.host.inbound_cap is not None and not network.get_connections(peer_id):
+            self.host.inbound_cap.release(peer_id.to_bytes())  # its last connection went
 
     async def opened_stream(self, network, stream) -> None:
         pass
@@ -320,8 +342,12 @@ class OverlayHost:
         # set by the daemon to the heartbeat's verdict: a down peer's inbound slot may be
         # reclaimed (the transport may not notice a dead connection for a long time)
         self.peer_is_down: Callable[[bytes], bool] = lambda peer: False
-        if inbound_cap is not None:
-            self.libp2p.get_network().register_notifee(_InboundGate(self))
+        # peers with history (the daemon: up on our heartbeat long enough), whose inbound
+        # connections are never closed to make room for a stranger
+        self.peer_is_known: Callable[[bytes], bool] = lambda peer: False
+        self.inbound_evicted = 0
+        # the subnet cap (when set) and room for newcomers (always)
+        self.libp2p.get_network().register_notifee(_InboundGate(self))
 
     # --- lifecycle -------------------------------------------------------------------
 

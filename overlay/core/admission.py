@@ -30,7 +30,8 @@ from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-__all__ = ["Merit", "MeritTable", "NEVER_UP", "SEEN_UP", "LONG_STANDING"]
+__all__ = ["INBOUND_HEADROOM", "INBOUND_LIMIT", "InboundConn", "Merit", "MeritTable", "NEVER_UP",
+           "SEEN_UP", "LONG_STANDING", "inbound_victim"]
 
 NEVER_UP, SEEN_UP, LONG_STANDING = 0, 1, 2
 
@@ -99,3 +100,36 @@ class MeritTable:
         if (newcomer.merit, -crowd, newcomer.since) >= best_value:
             return best_key
         return None
+
+
+#: established inbound connections py-libp2p 0.8.1 admits (its resource manager's
+#: default ``max_established_inbound``); past it every new inbound connection is closed
+INBOUND_LIMIT = 256
+#: inbound connections kept free for newcomers: at this many the least valuable
+#: inbound connection is closed to make room (:func:`inbound_victim`)
+INBOUND_HEADROOM = 8
+
+
+@dataclass(frozen=True)
+class InboundConn:
+    """What the host knows of one inbound connection, for :func:`inbound_victim`."""
+
+    peer: bytes
+    known: bool  # long-standing (up on our heartbeat long enough): never evicted for a stranger
+    streams: int  # open streams now (a connection in use is worth more than an idle one)
+    since: float  # when it was established
+
+
+def inbound_victim(conns: list[InboundConn], newcomer: bytes) -> bytes | None:
+    """The inbound connection to close so that ``newcomer`` (just connected) has room
+    while inbound connections are at ``INBOUND_LIMIT - INBOUND_HEADROOM``: a stranger's
+    (never a known peer's, never the newcomer's), idle before busy, oldest first. A
+    flood of idle identities then gives way to each new client instead of locking them
+    out (py-libp2p refused every new inbound connection once 256 were held). None when
+    below the threshold or only known peers are left."""
+    if len(conns) < INBOUND_LIMIT - INBOUND_HEADROOM:
+        return None
+    strangers = [c for c in conns if not c.known and c.peer != newcomer]
+    if not strangers:
+        return None
+    return min(strangers, key=lambda c: (c.streams > 0, c.since)).peer

@@ -46,3 +46,55 @@ def test_merit_table_against_a_model(steps, newcomer, subnet):
         assert got in pool and value(pool[got]) == min(value(m) for m in pool.values())
         assert mine >= value(pool[got])
     assert t.subnet_full(subnet) == (subnet is not None and counts[subnet] >= 3)
+
+
+# --- room for inbound newcomers (inbound_victim) ---------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from prefixmesh.overlay.core.admission import (  # noqa: E402
+    INBOUND_HEADROOM,
+    INBOUND_LIMIT,
+    InboundConn,
+    inbound_victim,
+)
+
+FULL = INBOUND_LIMIT - INBOUND_HEADROOM
+
+
+def _conns(n: int, **kw) -> list[InboundConn]:
+    return [InboundConn(bytes([i % 256, i // 256]), kw.get("known", False),
+                        kw.get("streams", 0), float(i)) for i in range(n)]
+
+
+def test_below_the_threshold_nobody_is_closed():
+    assert inbound_victim(_conns(FULL - 1), b"new") is None
+
+
+def test_at_the_threshold_the_oldest_idle_stranger_goes():
+    conns = _conns(FULL)
+    busy_old = InboundConn(b"busy", False, 3, -10.0)
+    known_old = InboundConn(b"known", True, 0, -20.0)
+    assert inbound_victim([busy_old, known_old, *conns], b"new") == conns[0].peer
+    # only busy strangers left: the oldest busy one
+    assert inbound_victim([busy_old, *_conns(FULL, streams=1)], b"new") == b"busy"
+    # known peers and the newcomer itself are never chosen
+    assert inbound_victim(_conns(FULL, known=True), b"new") is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.floats(0, 1e6)),
+                min_size=FULL, max_size=FULL + 20))
+def test_the_victim_is_never_known_and_never_the_newcomer(rows):
+    conns = [InboundConn(i.to_bytes(2, "big"), k, s, t) for i, (k, s, t) in enumerate(rows)]
+    newcomer = conns[-1].peer
+    v = inbound_victim(conns, newcomer)
+    strangers = [c for c in conns if not c.known and c.peer != newcomer]
+    if not strangers:
+        assert v is None
+    else:
+        chosen = next(c for c in conns if c.peer == v)
+        assert not chosen.known and v != newcomer
+        assert (chosen.streams > 0, chosen.since) == min((c.streams > 0, c.since)
+                                                         for c in strangers)
