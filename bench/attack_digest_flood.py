@@ -31,9 +31,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from adversary.digest_flood import flood  # noqa: E402
 
-from prefixmesh.bench.attack_nodes import honest_request, rss_mib, spawn_node  # noqa: E402
-
-FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
+from prefixmesh.bench.attack_nodes import (  # noqa: E402
+    count_dials,
+    honest_request,
+    rss_mib,
+    spawn_node,
+)
 
 
 def start_node(pythonpath: str | None) -> tuple[subprocess.Popen, str, Path]:
@@ -45,19 +48,8 @@ def start_node(pythonpath: str | None) -> tuple[subprocess.Popen, str, Path]:
 
 async def run(proc: subprocess.Popen, addr: str, window_s: float) -> dict:
     dials: list[float] = []
-    first = await trio.open_tcp_listeners(0, host=FOREIGN_IPS[0])
-    port = first[0].socket.getsockname()[1]
-    listeners = list(first)
-    for ip in FOREIGN_IPS[1:]:
-        listeners += await trio.open_tcp_listeners(port, host=ip)
-
-    async def count(stream):
-        dials.append(time.monotonic())
-        await stream.aclose()
-
-    foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, count, listeners)
+        foreign = await nursery.start(count_dials, dials)
         rss0 = rss_mib(proc.pid)
         quiet = [await honest_request(addr) for _ in range(20)]
         t0 = time.monotonic()

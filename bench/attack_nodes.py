@@ -15,7 +15,10 @@ from pathlib import Path
 
 import trio
 
-__all__ = ["honest_request", "open_fds", "rss_mib", "spawn_node"]
+__all__ = ["FOREIGN_IPS", "count_dials", "honest_request", "open_fds", "rss_mib", "spawn_node"]
+
+#: the "foreign" addresses attack records name (loopback aliases nobody else uses)
+FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
 
 
 def spawn_node(root: Path, *, backend: str = "sim", bootstrap: Sequence[str] = (),
@@ -90,3 +93,21 @@ async def honest_request(addr: str, *, timeout_s: float = 15.0, prompt: str = "h
         return time.perf_counter() - t0
     except Exception as exc:  # noqa: BLE001 - a figure, not a crash
         return f"{type(exc).__name__}: {exc}"[:100]
+
+
+async def count_dials(dials: list[float], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Counting listeners on one port at each of :data:`FOREIGN_IPS`: the monotonic time of
+    every TCP connection that reaches them goes into ``dials``. Started (``nursery.start``)
+    with their multiaddrs; runs until cancelled."""
+    first = await trio.open_tcp_listeners(0, host=FOREIGN_IPS[0])
+    port = first[0].socket.getsockname()[1]
+    listeners = list(first)
+    for ip in FOREIGN_IPS[1:]:
+        listeners += await trio.open_tcp_listeners(port, host=ip)
+
+    async def count(stream) -> None:
+        dials.append(time.monotonic())
+        await stream.aclose()
+
+    task_status.started([f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS])
+    await trio.serve_listeners(count, listeners)

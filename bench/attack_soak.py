@@ -36,10 +36,15 @@ from pathlib import Path
 
 import trio
 
-from prefixmesh.bench.attack_nodes import honest_request, open_fds, rss_mib, spawn_node
+from prefixmesh.bench.attack_nodes import (
+    count_dials,
+    honest_request,
+    open_fds,
+    rss_mib,
+    spawn_node,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
 SAMPLE_EVERY_S = 10.0
 ATTACKS = ("flood", "slowloris", "sybil")
 FLOOD_EVERY_S = 60.0
@@ -136,17 +141,7 @@ async def _run(procs: list[subprocess.Popen], addrs: list[str], args) -> dict:
     rng = random.Random(args.seed)
     dials: list[float] = []
     samples: list[dict] = []
-    first = await trio.open_tcp_listeners(0, host=FOREIGN_IPS[0])
-    port = first[0].socket.getsockname()[1]
-    listeners = list(first)
-    for ip in FOREIGN_IPS[1:]:
-        listeners += await trio.open_tcp_listeners(port, host=ip)
-    foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
     t0 = time.monotonic()
-
-    async def count(stream) -> None:
-        dials.append(time.monotonic())
-        await stream.aclose()
 
     async def sampler() -> None:
         while True:
@@ -165,7 +160,7 @@ async def _run(procs: list[subprocess.Popen], addrs: list[str], args) -> dict:
 
     phases: dict = {}
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, count, listeners)
+        foreign = await nursery.start(count_dials, dials)
         nursery.start_soon(sampler)
         phases["unattacked"] = _phase(await honest_for(args.quiet_s))
         duration_s = args.minutes * 60.0

@@ -54,7 +54,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import INotifee
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
@@ -69,7 +68,13 @@ from .core.dialing import DialGate
 from .core.digest import DigestError
 from .core.identity import Identity, peer_id_to_b58
 from .core.streamslots import frame_budget_s
-from .libp2p_guard import GuardedPeerStore, connection_config, install_guards, own_dial
+from .libp2p_guard import (
+    GuardedPeerStore,
+    QuietNotifee,
+    connection_config,
+    install_guards,
+    own_dial,
+)
 
 __all__ = [
     "HostError",
@@ -227,7 +232,7 @@ def _remote_multiaddr(conn) -> str:
     return f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{port}"
 
 
-class _InboundGate(INotifee):
+class _InboundGate(QuietNotifee):
     """Applies :attr:`OverlayHost.inbound_cap` to connections peers dial to us, and keeps
     room for newcomers (:func:`~.core.admission.inbound_victim`)."""
 
@@ -279,18 +284,6 @@ class _InboundGate(INotifee):
         peer_id = conn.muxed_conn.peer_id
         if self.host.inbound_cap is not None and not network.get_connections(peer_id):
             self.host.inbound_cap.release(peer_id.to_bytes())  # its last connection went
-
-    async def opened_stream(self, network, stream) -> None:
-        pass
-
-    async def closed_stream(self, network, stream) -> None:
-        pass
-
-    async def listen(self, network, multiaddr) -> None:
-        pass
-
-    async def listen_close(self, network, multiaddr) -> None:
-        pass
 
 
 class OverlayHost:

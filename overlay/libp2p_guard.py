@@ -156,30 +156,38 @@ def release_inbound_on_close(network) -> None:
             scopes[id(muxed)] = scope
         return muxed
 
-    class _Closed(INotifee):
+    class _Closed(QuietNotifee):
         async def disconnected(self, network, conn) -> None:
             scope = scopes.pop(id(getattr(conn, "muxed_conn", None)), None)
             if scope is not None:
                 scope.cancel()
 
-        async def connected(self, network, conn) -> None:
-            pass
-
-        async def opened_stream(self, network, stream) -> None:
-            pass
-
-        async def closed_stream(self, network, stream) -> None:
-            pass
-
-        async def listen(self, network, multiaddr) -> None:
-            pass
-
-        async def listen_close(self, network, multiaddr) -> None:
-            pass
-
     network._do_handle_inbound_connection = handle_in_scope
     network.upgrade_inbound_raw_conn = upgrade_noted
     network.register_notifee(_Closed())
+
+
+class QuietNotifee(INotifee):
+    """A py-libp2p notifee that ignores every event; subclasses override the ones they
+    need (the interface has six abstract methods)."""
+
+    async def connected(self, network, conn) -> None:
+        pass
+
+    async def disconnected(self, network, conn) -> None:
+        pass
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
 
 
 class LibraryDialRefused(Exception):

@@ -18,10 +18,9 @@ import trio
 from _swarm import Swarm
 from adversary.digest_flood import flood
 
-from prefixmesh.bench.attack_nodes import honest_request, rss_mib
+from prefixmesh.bench.attack_nodes import FOREIGN_IPS, count_dials, honest_request, rss_mib
 from prefixmesh.overlay.core import dialing
 
-FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
 N_REQUESTS = 20
 
 
@@ -39,19 +38,8 @@ def test_digest_flood_with_foreign_addresses(tmp_path):
 
         async def main():
             dials = []  # monotonic times of TCP connections at the foreign addresses
-            first = await trio.open_tcp_listeners(0, host=FOREIGN_IPS[0])
-            port = first[0].socket.getsockname()[1]
-            listeners = list(first)
-            for ip in FOREIGN_IPS[1:]:
-                listeners += await trio.open_tcp_listeners(port, host=ip)
-
-            async def count(stream):
-                dials.append(time.monotonic())
-                await stream.aclose()
-
-            foreign = [f"/ip4/{ip}/tcp/{port}" for ip in FOREIGN_IPS]
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(trio.serve_listeners, count, listeners)
+                foreign = await nursery.start(count_dials, dials)
                 figures["rss_before_mib"] = rss_mib(a.proc.pid)
                 quiet = [await _honest(a.addr) for _ in range(N_REQUESTS)]
                 t_attack = time.monotonic()
