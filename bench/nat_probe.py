@@ -464,11 +464,12 @@ def _fixed_hop_class():
     import contextlib
 
     import trio
-    from libp2p.abc import INotifee
     from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
     from libp2p.tools.constants import MAX_READ_LEN
 
-    class _ConnGone(INotifee):
+    from prefixmesh.overlay.libp2p_guard import QuietNotifee
+
+    class _ConnGone(QuietNotifee):
         """A connection that closes cuts every circuit spliced over it: the streams of a
         dead connection neither fail reads nor writes here (measured), so without this
         the far end is not told."""
@@ -483,20 +484,6 @@ def _fixed_hop_class():
                         getattr(dst, "muxed_conn", None) is gone:
                     scope.cancel()
 
-        async def connected(self, network, conn) -> None:
-            pass
-
-        async def opened_stream(self, network, stream) -> None:
-            pass
-
-        async def closed_stream(self, network, stream) -> None:
-            pass
-
-        async def listen(self, network, multiaddr) -> None:
-            pass
-
-        async def listen_close(self, network, multiaddr) -> None:
-            pass
 
     class FixedHop(CircuitV2Protocol):
         bytes_carried = 0

@@ -88,7 +88,10 @@ from functools import wraps
 from pathlib import Path
 
 from .core.radix import Entry, RadixTree
-from .core.segments import ram_entry_bytes  # the RAM accounting (shared with the simulator)
+from .core.segments import (  # the RAM accounting and branch rule, shared with the simulator
+    branch_point,
+    ram_entry_bytes,
+)
 
 __all__ = [
     "MAGIC",
@@ -873,14 +876,7 @@ class KVStore:
         """(L, other, other_base): ``tokens`` share L tokens with the stored RAM state of
         ``other`` and diverge from it there (0 < L < both lengths); ``other_base`` is where
         that state's own segment starts. (0, None, 0) if there is no such state."""
-        key = self._key(ns_id, tokens)
-        m = self._ram.match(key)
-        length = m.length - 1
-        if m.entry is None or length <= 0 or length >= len(key) - 1:
-            return 0, None, 0
-        if len(m.entry.tokens) - 1 <= length:
-            return 0, None, 0
-        return length, m.entry.tokens[1:], m.entry.payload.base
+        return branch_point(self._ram, self._key(ns_id, tokens))
 
     @_locked
     def rebase(self, ns_id: bytes, tokens: Sequence[int], new_base: int, data) -> bool:

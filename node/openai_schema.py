@@ -45,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .openai_tools import json_type
+
 __all__ = [
     "MAX_BODY_BYTES",
     "MAX_JSON_DEPTH",
@@ -278,25 +280,9 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     except ValueError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(obj, dict):
-        raise BadRequest(f"request body must be a JSON object, not {_json_type(obj)}",
+        raise BadRequest(f"request body must be a JSON object, not {json_type(obj)}",
                          code="invalid_json")
     return obj
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int | float):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__
 
 
 def _get(obj: Mapping[str, Any], key: str) -> Any:
@@ -305,7 +291,7 @@ def _get(obj: Mapping[str, Any], key: str) -> Any:
 
 
 def _bad_type(param: str, want: str, value: Any) -> BadRequest:
-    return BadRequest(f"'{param}' must be {want}, not {_json_type(value)}", param=param,
+    return BadRequest(f"'{param}' must be {want}, not {json_type(value)}", param=param,
                       code="invalid_type")
 
 
@@ -441,31 +427,6 @@ def _stream_flags(obj: Mapping[str, Any]) -> tuple[bool, bool]:
             raise _bad_type("stream_options.include_usage", "a boolean", iu)
         include_usage = bool(iu)
     return stream, include_usage
-
-
-def _content(msg: Mapping[str, Any], i: int) -> str:
-    param = f"messages[{i}].content"
-    v = msg.get("content")
-    if v is None:
-        raise BadRequest(f"'{param}' is required", param=param,
-                         code="missing_required_parameter")
-    if isinstance(v, str):
-        return v
-    if not isinstance(v, list):
-        raise _bad_type(param, "a string or an array of content parts", v)
-    texts = []
-    for j, part in enumerate(v):
-        p = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise _bad_type(p, "an object", part)
-        if part.get("type") != "text":
-            raise BadRequest(f"'{p}': only text content parts are supported", param=p,
-                             code="unsupported_value")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise _bad_type(f"{p}.text", "a string", text)
-        texts.append(text)
-    return "".join(texts)
 
 
 def parse_chat_request(obj: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:

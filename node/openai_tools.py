@@ -92,7 +92,8 @@ class ToolsError(ValueError):
 BadRequest = ToolsError  # the name the checks below read best with
 
 
-def _json_type(v: Any) -> str:
+def json_type(v: Any) -> str:
+    """How a JSON value is named in an error message (also the OpenAI schema checks')."""
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -105,7 +106,7 @@ def _json_type(v: Any) -> str:
 
 
 def _bad_type(param: str, want: str, value: Any) -> ToolsError:
-    return ToolsError(f"'{param}' must be {want}, not {_json_type(value)}", param=param,
+    return ToolsError(f"'{param}' must be {want}, not {json_type(value)}", param=param,
                       code="invalid_type")
 
 MAX_TOOLS = 64
@@ -450,7 +451,7 @@ def check_schema(schema: Any, param: str, depth: int = 0) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise BadRequest(f"'{param}' must be a JSON schema object, not {_json_type(schema)}",
+        raise BadRequest(f"'{param}' must be a JSON schema object, not {json_type(schema)}",
                          param=param, code="invalid_schema")
     for key, v in schema.items():
         where = f"{param}.{key}"

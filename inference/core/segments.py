@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from .radix import Entry, RadixTree
 
-__all__ = ["RAM_TOKEN_OVERHEAD", "Segment", "SegmentTree", "ram_entry_bytes"]
+__all__ = ["RAM_TOKEN_OVERHEAD", "Segment", "SegmentTree", "branch_point", "ram_entry_bytes"]
 
 RAM_TOKEN_OVERHEAD = 4  # bytes per key token a RAM entry is charged besides its payload
 
@@ -137,14 +137,7 @@ class SegmentTree:
         return len(entry.tokens) - 1 if entry is not None else 0
 
     def _branch_point(self, tokens: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None, int]:
-        key = self._key(tokens)
-        m = self.tree.match(key)
-        length = m.length - 1
-        if m.entry is None or length <= 0 or length >= len(key) - 1:
-            return 0, None, 0
-        if len(m.entry.tokens) - 1 <= length:
-            return 0, None, 0
-        return length, m.entry.tokens[1:], m.entry.payload.base
+        return branch_point(self.tree, self._key(tokens))
 
     def _size(self, n_tokens: int, base: int) -> int:
         return ram_entry_bytes((n_tokens - base) * self.bytes_per_token, n_tokens + 1)
@@ -214,3 +207,18 @@ class SegmentTree:
             self._unlink(entry.tokens, item)
             if self._on_evict is not None:
                 self._on_evict(entry.tokens[1:], item.value)
+
+
+def branch_point(tree, key: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None, int]:
+    """(L, other, other_base) for ``key`` (a namespace token, then the prompt's tokens) in a
+    radix tree of stored states: the prompt shares L tokens with the stored state of
+    ``other`` and diverges from it there (0 < L < both lengths); ``other_base`` is where
+    that state's own segment starts. (0, None, 0) if there is no such state. One rule for
+    the store (``KVStore.branch_point``) and :class:`SegmentTree`."""
+    m = tree.match(key)
+    length = m.length - 1
+    if m.entry is None or length <= 0 or length >= len(key) - 1:
+        return 0, None, 0
+    if len(m.entry.tokens) - 1 <= length:
+        return 0, None, 0
+    return length, m.entry.tokens[1:], m.entry.payload.base
