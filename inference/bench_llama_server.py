@@ -58,6 +58,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .bench_restart import drop_page_cache
+
 __all__ = [
     "LLAMA_SERVER_FLAGS",
     "WORKLOADS",
@@ -593,7 +595,7 @@ class _Bench:
         for r in range(restarts):
             for s in _rotate(self.servers, r):
                 if isinstance(s, _Node):
-                    _drop_page_cache(s.cache_dir)
+                    drop_page_cache(s.cache_dir)
                 ready[s.name].append(s.start())
                 if isinstance(s, _Node):
                     engine_ready[s.name].append(s.engine_ready_s())
@@ -613,17 +615,6 @@ class _Bench:
                                    "engine_ready_s": engine_ready[name],
                                    "samples_ready": ready[name], "samples_ttft": ttft[name]}
                             for name in ready}}
-
-
-def _drop_page_cache(root: Path) -> None:
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for path in root.rglob("*.kv"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _pad_cache(cache_dir: Path, cache_gb: float, log: Callable[[str], None]) -> dict:

@@ -30,7 +30,8 @@ import numpy as np
 __all__ = ["bench_restart", "main"]
 
 
-def _drop_page_cache(root: Path) -> None:
+def drop_page_cache(root: Path) -> None:
+    """Evict the cache files under ``root`` from the page cache (a restart that reads disk)."""
     if not hasattr(os, "posix_fadvise"):
         return
     for path in root.rglob("*.kv"):
@@ -83,7 +84,7 @@ def bench_restart(cache_gb: float = 1.5, runs: int = 3, threads: int = 1,
         log(f"cache: {n_files} files, {cache_bytes / 1e9:.2f} GB")
         ready, index, hit, stop = [], [], [], []
         for r in range(runs):
-            _drop_page_cache(root)
+            drop_page_cache(root)
             t0 = time.perf_counter()
             eng = Engine(**kw)
             ready.append(time.perf_counter() - t0)

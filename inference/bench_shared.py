@@ -13,22 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import tempfile
 from pathlib import Path
 
+from .bench_restart import drop_page_cache
+
 __all__ = ["bench_shared", "main"]
-
-
-def _drop_page_cache(root: Path) -> None:
-    for path in root.rglob("*.kv"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def bench_shared(k: int = 20, p: int = 1000, s: int = 50, runs: int = 3, threads: int = 1,
@@ -65,7 +57,7 @@ def bench_shared(k: int = 20, p: int = 1000, s: int = 50, runs: int = 3, threads
                 warm.append(c.stats.ttft_s)
         finally:
             eng.close()
-        _drop_page_cache(Path(kv_dir))
+        drop_page_cache(Path(kv_dir))
         eng = Engine(**kw)
         try:
             from_disk = []
