@@ -599,6 +599,16 @@ class MetricsSection:
 
 
 @dataclass
+class NatSection:
+    relay_service: bool = _f(True, check=_bool,
+                             doc="offer a bounded circuit relay to nodes behind NAT when publicly reachable")
+    hole_punching: bool = _f(True, check=_bool,
+                             doc="upgrade relayed links to direct ones (DCUtR) where both NATs allow it")
+    upnp: bool = _f(False, check=_bool,
+                    doc="ask the home router for a port mapping (UPnP IGD), where it offers one")
+
+
+@dataclass
 class ClientSection:
     peer: str = _f("", check=_opt_peer,
                    doc="node the CLI client talks to (multiaddr with /p2p/PEER_ID)")
@@ -616,6 +626,7 @@ _SECTIONS: dict[str, type] = {
     "limits": LimitsSection,
     "http": HttpSection,
     "metrics": MetricsSection,
+    "nat": NatSection,
     "client": ClientSection,
 }
 
@@ -629,6 +640,7 @@ class Config:
     limits: LimitsSection = field(default_factory=LimitsSection)
     http: HttpSection = field(default_factory=HttpSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    nat: NatSection = field(default_factory=NatSection)
     client: ClientSection = field(default_factory=ClientSection)
     tenants: dict[str, TenantSpec] = field(default_factory=dict)
     source: Path | None = field(default=None, compare=False)
