@@ -1432,6 +1432,58 @@ def _discovery_target() -> Target:
     )
 
 
+# ---------------------------------------------------------------------------- dialback
+
+
+@_builder("dialback")
+def _dialback_target() -> Target:
+    from prefixmesh.overlay.core.reachability import (
+        MAX_MESSAGE_BYTES,
+        DialbackAnswer,
+        DialbackError,
+        DialbackRequest,
+        DialResult,
+        decode_answer,
+        decode_request,
+        encode_answer,
+        encode_request,
+    )
+
+    claimed = ("/ip4/198.18.0.101/tcp/4101", "/ip4/10.77.1.2/tcp/4101", "/ip6/2001:db8::1/tcp/1")
+    seeds = [
+        encode_request(DialbackRequest(claimed)),
+        encode_request(DialbackRequest(())),
+        encode_answer(DialbackAnswer("198.18.0.101", 4101, tuple(
+            DialResult(a, i == 0, "dialed" if i == 0 else "not the IP you are seen at")
+            for i, a in enumerate(claimed)))),
+        encode_answer(DialbackAnswer("", 0, ())),
+    ]
+
+    def run(data: bytes) -> object:
+        try:
+            return decode_request(data)
+        except DialbackError:
+            return decode_answer(data)
+
+    n = MAX_MESSAGE_BYTES
+    crafted = [
+        ("max-nesting", b"\x81" * n),
+        ("long-string", b"\x82\x01\x81\x79" + (n - 6).to_bytes(2, "big") + b"/" * (n - 6)),
+    ]
+    return Target(
+        "dialback",
+        "overlay.core.reachability: dial-back request and answer decoders",
+        (DialbackError,),
+        run,
+        seeds,
+        structured=_cbor_structured,
+        crafted=crafted,
+        cbor=True,
+        nest_open=b"\x81",
+        max_random_len=1024,
+    )
+
+
 TARGET_NAMES = tuple(_BUILDERS)
 
 
