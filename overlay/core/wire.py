@@ -57,6 +57,7 @@ from typing import Any
 import cbor2
 
 from . import cbor
+from .models import MAX_MODEL_FP_BYTES, MAX_MODELS_LISTED, ModelEntry, valid_model_name
 
 __all__ = [
     "INFER_PROTOCOL",
@@ -167,6 +168,7 @@ ERROR_CODES = frozenset(
         "shutting_down",  # the node is stopping; retry elsewhere
         "duplicate",  # this node already handled a request with this id; retry elsewhere
         "internal",  # a bug or engine failure on the serving node
+        "unknown_model",  # no node this one knows serves the requested model
     }
 )
 
@@ -270,6 +272,9 @@ class Request:
     # log probabilities: -1 none (key "lp" omitted); 0..MAX_TOP_LOGPROBS: each token's
     # logprob and that many most likely alternatives, in the TOKENS frames
     logprobs: int = -1
+    # the fingerprint of the model asked for (key "mo", omitted when empty: the model of
+    # the node that receives it); a node of another model passes it to nodes of this one
+    model: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -337,6 +342,10 @@ class Pong:
     # the responder's context length in tokens (0: not said), so an entry node refuses a
     # prompt that fits no node and forwards none to a node too small for it
     n_ctx: int = 0
+    # the model the responder serves (fingerprint, name), in the first PONG of a stream
+    # (key "mo", omitted otherwise: b"" / "" means not said on this PONG)
+    model: bytes = b""
+    model_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -356,6 +365,7 @@ class PeerInfo:
     n_hashes: int  # estimated cached blocks (from digests)
     digest_age_s: float  # -1 if no digest yet
     sources: tuple[str, ...] = ()  # how this node learned the peer (bootstrap, gossip, dht, mdns)
+    model: bytes = b""  # the model fingerprint it announced (b"": not known); 11th field
 
 
 @dataclass(frozen=True)
@@ -365,6 +375,9 @@ class PeersReply:
     addrs: tuple[str, ...]
     peers: tuple[PeerInfo, ...]
     stats: dict[str, int]  # counters (records applied/rejected by class, ...)
+    # the models the mesh serves now as this node sees it (core/models.catalog; key "mm",
+    # omitted when empty): clients resolve a model name with it
+    models: tuple[ModelEntry, ...] = ()
 
 
 Frame = Request | Tokens | Final | End | Error | Ping | Pong | PeersQuery | PeersReply
@@ -409,6 +422,8 @@ def _request_obj(frame: Request) -> dict[str, Any]:
         obj["gr"] = frame.grammar
     if frame.logprobs >= 0:
         obj["lp"] = frame.logprobs
+    if frame.model:
+        obj["mo"] = frame.model
     return obj
 
 
@@ -445,16 +460,19 @@ def _pong_obj(frame: Pong) -> dict[str, Any]:
         obj["h"] = frame.summary_hash
     if frame.n_ctx:
         obj["c"] = frame.n_ctx
+    if frame.model:
+        obj["mo"] = [frame.model, frame.model_name]
     return obj
 
 
 def _peer_info_obj(p: PeerInfo) -> list[Any]:
-    return [p.peer, list(p.addrs), p.connected, p.up, float(p.rtt_ms), p.queue_depth, p.active,
-            p.n_hashes, float(p.digest_age_s), list(p.sources)]  # fmt: skip
+    row = [p.peer, list(p.addrs), p.connected, p.up, float(p.rtt_ms), p.queue_depth, p.active,
+           p.n_hashes, float(p.digest_age_s), list(p.sources)]  # fmt: skip
+    return [*row, p.model] if p.model else row
 
 
 def _peers_reply_obj(frame: PeersReply) -> dict[str, Any]:
-    return {
+    obj = {
         "t": "pr",
         "me": frame.self_peer,
         "md": frame.model,
@@ -462,6 +480,9 @@ def _peers_reply_obj(frame: PeersReply) -> dict[str, Any]:
         "ps": [_peer_info_obj(p) for p in frame.peers],
         "sx": dict(frame.stats),
     }
+    if frame.models:
+        obj["mm"] = [[m.fingerprint, m.name, m.nodes, m.local] for m in frame.models]
+    return obj
 
 
 #: The encoder of each frame class (``_DECODERS`` below is its decoding counterpart).
@@ -685,7 +706,7 @@ def _sampling(v: Any) -> Sampling:
 
 def _request_from(obj: dict) -> Request:
     keys = ("t", "id", "ns", "cr", "msg", "tok", "s", "dl", "hb", "v", "tr", "st")
-    f = _Fields(obj, "request", (*keys, *(k for k in ("ho", "gr", "lp") if k in obj)))
+    f = _Fields(obj, "request", (*keys, *(k for k in ("ho", "gr", "lp", "mo") if k in obj)))
     messages = _messages(f)
     tokens = _token_ids(f, "tok", MAX_PROMPT_TOKENS)
     if not messages and not tokens:
@@ -709,7 +730,22 @@ def _request_from(obj: dict) -> Request:
         holders=_holders(f) if "ho" in obj else (),
         grammar=_grammar(f) if "gr" in obj else "",
         logprobs=f.int("lp", 0, MAX_TOP_LOGPROBS) if "lp" in obj else -1,
+        model=_model_fp(obj["mo"], "request.mo") if "mo" in obj else b"",
     )
+
+
+def _model_fp(v: Any, what: str) -> bytes:
+    fp = _bytes(v, what, MAX_MODEL_FP_BYTES)
+    if not fp:
+        raise InvalidField(f"{what}: an empty model fingerprint is sent by omitting the key")
+    return fp
+
+
+def _model_name(v: Any, what: str) -> str:
+    name = _str(v, what, MAX_SHORT_STRING)
+    if not valid_model_name(name):
+        raise InvalidField(f"{what}: {name[:80]!r} is not a model name (core/models.py)")
+    return name
 
 
 def _grammar(f: _Fields) -> str:
@@ -795,7 +831,7 @@ def _ping_from(obj: dict) -> Ping:
 
 
 def _pong_from(obj: dict) -> Pong:
-    keys = ("t", "n", "q", "a") + tuple(k for k in ("h", "c") if k in obj)
+    keys = ("t", "n", "q", "a") + tuple(k for k in ("h", "c", "mo") if k in obj)
     f = _Fields(obj, "pong", keys)
     summary_hash = f.bytes("h", MAX_SUMMARY_HASH_BYTES) if "h" in obj else b""
     if "h" in obj and not summary_hash:
@@ -807,7 +843,15 @@ def _pong_from(obj: dict) -> Pong:
         summary_hash=summary_hash,
         # an unknown context is sent by omitting the key, never as 0
         n_ctx=f.int("c", 1, 2**31 - 1) if "c" in obj else 0,
+        **(_pong_model(f.list("mo", 2)) if "mo" in obj else {}),
     )
+
+
+def _pong_model(pair: list[Any]) -> dict[str, Any]:
+    if len(pair) != 2:
+        raise InvalidField("pong.mo: expected [fingerprint, name]")
+    return {"model": _model_fp(pair[0], "pong.mo.fingerprint"),
+            "model_name": _model_name(pair[1], "pong.mo.name")}
 
 
 def _peers_query_from(obj: dict) -> PeersQuery:
@@ -816,9 +860,9 @@ def _peers_query_from(obj: dict) -> PeersQuery:
 
 
 def _peer_info_from(p: Any, w: str) -> PeerInfo:
-    row = _list(p, w, 10)
-    if len(row) != 10:
-        raise InvalidField(f"{w}: expected 10 fields")
+    row = _list(p, w, 11)
+    if len(row) not in (10, 11):
+        raise InvalidField(f"{w}: expected 10 fields, or 11 with the model")
     return PeerInfo(
         peer=_bytes(row[0], w + ".peer", MAX_ID_BYTES),
         addrs=tuple(
@@ -834,11 +878,31 @@ def _peer_info_from(p: Any, w: str) -> PeerInfo:
         sources=tuple(
             _str(x, w + ".sources", MAX_SHORT_STRING) for x in _list(row[9], w + ".sources", 8)
         ),
+        model=_model_fp(row[10], w + ".model") if len(row) == 11 else b"",
     )
 
 
+def _model_entries(f: _Fields) -> tuple[ModelEntry, ...]:
+    items = f.list("mm", MAX_MODELS_LISTED)
+    if not items:
+        raise InvalidField("peers_reply.mm: an empty model list is sent by omitting the key")
+    out = []
+    for i, item in enumerate(items):
+        w = f"peers_reply.mm[{i}]"
+        row = _list(item, w, 4)
+        if len(row) != 4 or not isinstance(row[3], bool):
+            raise InvalidField(f"{w}: expected [fingerprint, name, nodes, local]")
+        out.append(ModelEntry(_model_fp(row[0], w + ".fingerprint"),
+                              _model_name(row[1], w + ".name"),
+                              _int(row[2], w + ".nodes", 1, 2**31 - 1), row[3]))
+    if len({m.fingerprint for m in out}) != len(out):
+        raise InvalidField("peers_reply.mm: a model is listed twice")
+    return tuple(out)
+
+
 def _peers_reply_from(obj: dict) -> PeersReply:
-    f = _Fields(obj, "peers_reply", ("t", "me", "md", "ad", "ps", "sx"))
+    f = _Fields(obj, "peers_reply", ("t", "me", "md", "ad", "ps", "sx")
+                + (("mm",) if "mm" in obj else ()))
     peers = tuple(
         _peer_info_from(p, f"peers_reply.ps[{i}]")
         for i, p in enumerate(f.list("ps", MAX_PEERS_LISTED))
@@ -856,6 +920,7 @@ def _peers_reply_from(obj: dict) -> PeersReply:
         addrs=tuple(_str(a, "peers_reply.ad", MAX_SHORT_STRING) for a in f.list("ad", MAX_ADDRS)),
         peers=peers,
         stats=stats,
+        models=_model_entries(f) if "mm" in obj else (),
     )
 
 
