@@ -13,7 +13,9 @@ its first PONG; after ``forget_after_s`` down it is no longer monitored.
 RTT is an EWMA (weight ``rtt_alpha``) of PING->PONG times; PONG also carries the peer's
 queue depth and active requests, fresher than its last digest, and its digest summary
 hash whenever that changed since the previous PONG on the stream (``gossip`` skips digest
-exchanges with peers whose hash equals its own).
+exchanges with peers whose hash equals its own). The first PONG of each stream names the
+responder's model (fingerprint and name, ``core/models.py``): routing offers a peer only
+requests of its model, and the mesh's model catalog is the up peers' announcements.
 
 The PING handler answers each PING at once and closes an idle stream after
 ``idle_close_s`` without PING.
@@ -76,6 +78,8 @@ class PeerHealth:
     failed_dials: int = 0  # failed attempts (dial or first PING) while never up
     summary_hash: bytes = b""  # the peer's digest summary hash, as last reported
     n_ctx: int = 0  # the peer's context length from its PONGs (0: not said)
+    model: bytes = b""  # the model fingerprint it announced (b"": not said)
+    model_name: str = ""
 
 
 class Heartbeat:
@@ -96,6 +100,7 @@ class Heartbeat:
         on_change: Callable[[bytes, bool], None] | None = None,
         summary_hash: Callable[[], bytes] | None = None,
         context_tokens: Callable[[], int | None] | None = None,
+        model: tuple[bytes, str] | None = None,
     ):
         self.host = host
         self.addrs_of = addrs_of
@@ -111,6 +116,7 @@ class Heartbeat:
         self.on_change = on_change
         self.summary_hash = summary_hash  # ours, reported in PONGs when it changes
         self.context_tokens = context_tokens  # ours, reported in every PONG
+        self.model = model  # ours (fingerprint, name), in the first PONG of each stream
         self.health: dict[bytes, PeerHealth] = {}
         self._nursery: trio.Nursery | None = None
         self._monitored: set[bytes] = set()
@@ -142,6 +148,14 @@ class Heartbeat:
 
     def up_peers(self) -> list[bytes]:
         return [p for p, h in self.health.items() if h.up]
+
+    def up_peers_of(self, model: bytes) -> list[bytes]:
+        """Up peers serving ``model`` (or that never said which model they serve)."""
+        return [p for p, h in self.health.items() if h.up and h.model in (b"", model)]
+
+    def up_models(self) -> list[tuple[bytes, str]]:
+        """(fingerprint, name) of every up peer that announced its model."""
+        return [(h.model, h.model_name) for h in self.health.values() if h.up and h.model]
 
     def rtt_s(self, peer: bytes) -> float | None:
         h = self.health.get(peer)
@@ -336,12 +350,15 @@ class Heartbeat:
             h.summary_hash = frame.summary_hash
         if frame.n_ctx:
             h.n_ctx = frame.n_ctx
+        if frame.model:
+            h.model, h.model_name = frame.model, frame.model_name
         self._set(peer, True)
 
     async def handle(self, stream) -> None:
         fs = FramedStream(stream, timeout_s=self.idle_close_s)
         peer = fs.peer
         last_hash = b""  # what this stream's reader already knows
+        model = self.model  # announced once per stream
         try:
             while True:
                 frame = await fs.receive()
@@ -355,9 +372,10 @@ class Heartbeat:
                 current = self.summary_hash() if self.summary_hash is not None else b""
                 changed = current if current != last_hash else b""
                 n_ctx = (self.context_tokens() if self.context_tokens is not None else 0) or 0
-                await fs.send(wire.Pong(frame.nonce, q, a, changed, n_ctx),
+                fp, name = model if model is not None else (b"", "")
+                await fs.send(wire.Pong(frame.nonce, q, a, changed, n_ctx, fp, name),
                               timeout_s=self.timeout_s)
-                last_hash = current
+                last_hash, model = current, None
                 self.pings_answered += 1
                 # a peer that pings us is alive and reachable: monitor it too
                 if peer not in self._monitored:
