@@ -449,88 +449,10 @@ async def _node_main(cfg: dict) -> None:  # noqa: C901 - one driven host, many a
 
 
 def _fixed_hop_class():
-    """``CircuitV2Protocol`` with the splice fixed (the piece we would own in the node):
-
-    - each direction's clean-up resets only *its own circuit's* two streams (the library's
-      ``_relay_data`` closes whatever circuit ``_active_relays[peer_id]`` names at that
-      moment: another circuit to the same peer, protocol.py:925-932), which also tells the
-      far end at once when one end dies;
-    - the circuit's duration cap is a deadline on the whole splice, idle or not (the
-      library checks it between reads only, protocol.py:847);
-    - the byte cap resets the circuit without writing a relay STATUS message into the
-      spliced stream (the library does, into the peers' end-to-end Noise session);
-    - carried bytes are counted (``bytes_carried``) for metrics.
-    """
-    import contextlib
-
-    import trio
-    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
-    from libp2p.tools.constants import MAX_READ_LEN
-
-    from prefixmesh.overlay.libp2p_guard import QuietNotifee
-
-    class _ConnGone(QuietNotifee):
-        """A connection that closes cuts every circuit spliced over it: the streams of a
-        dead connection neither fail reads nor writes here (measured), so without this
-        the far end is not told."""
-
-        def __init__(self, hop) -> None:
-            self.hop = hop
-
-        async def disconnected(self, network, conn) -> None:
-            gone = conn.muxed_conn
-            for src, dst, scope in list(self.hop.circuits):
-                if getattr(src, "muxed_conn", None) is gone or \
-                        getattr(dst, "muxed_conn", None) is gone:
-                    scope.cancel()
-
-
-    class FixedHop(CircuitV2Protocol):
-        bytes_carried = 0
-        circuits_cut = 0
-
-        def __init__(self, host, *args, **kw) -> None:
-            super().__init__(host, *args, **kw)
-            self.circuits: set = set()
-            host.get_network().register_notifee(_ConnGone(self))
-
-        async def _relay_data(self, src_stream, dst_stream, peer_id, deadline=None,
-                              circuit_data_limit=None) -> None:
-            scope = trio.CancelScope()
-            if deadline is not None:
-                scope.deadline = trio.current_time() + max(0.0, deadline - time.monotonic())
-            entry = (src_stream, dst_stream, scope)
-            self.circuits.add(entry)
-            try:
-                with scope:
-                    while True:
-                        try:
-                            data = await src_stream.read(MAX_READ_LEN)
-                        except Exception:
-                            break
-                        if not data:
-                            break
-                        if circuit_data_limit is not None:
-                            if len(data) > circuit_data_limit[0]:
-                                self.circuits_cut += 1
-                                break
-                            circuit_data_limit[0] -= len(data)
-                        with trio.fail_after(self.write_timeout):
-                            await dst_stream.write(data)
-                        FixedHop.bytes_carried += len(data)
-                if scope.cancelled_caught:
-                    self.circuits_cut += 1
-            except Exception:
-                pass
-            finally:
-                self.circuits.discard(entry)
-                for s in (src_stream, dst_stream):
-                    with contextlib.suppress(Exception), trio.move_on_after(1) as cs:
-                        cs.shield = True
-                        await s.reset()
-                for key, pair in list(self._active_relays.items()):
-                    if src_stream in pair or dst_stream in pair:
-                        del self._active_relays[key]
+    """Our fixed circuit-relay hop (``overlay/relay.py`` ``FixedHop``: own streams only,
+    deadline over the whole splice, circuits of a closed connection cut, bytes counted;
+    the node's relay service adds its admission and pacing limits to it)."""
+    from prefixmesh.overlay.relay import FixedHop
 
     return FixedHop
 
