@@ -132,13 +132,12 @@ from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 from prefixmesh.overlay.core.planner import (
     Forward,
     FrozenPeers,
-    FullView,
     LookUp,
-    PartitionedView,
     PeerLink,
     PlanInput,
     Planner,
 )
+from prefixmesh.overlay.core.replication import FullReplication, PartialReplication
 from prefixmesh.overlay.core.routing import (
     FORWARD,
     Candidate,
@@ -343,46 +342,6 @@ class _Node:
     )  # fmt: skip
 
 
-class _FullSide:
-    """Full replication: own cache changes go to the node's AntiEntropy stream; routers
-    read the PeerCacheIndex gossip feeds (``FullView``)."""
-
-    __slots__ = ("ae", "view")
-
-    def __init__(self, node: _Node) -> None:
-        self.ae = node.ae
-        self.view = FullView(node.index, MODEL_FP)
-
-    def add(self, ns: bytes, chain: list[bytes], now: float) -> None:
-        self.ae.local_add_prefix(ns, chain)
-
-    def remove(self, ns: bytes, chain: list[bytes], now: float) -> None:
-        self.ae.local_remove_prefix(ns, chain)
-
-    def set_local_load(self, load: LoadFigures, capacity: int, used: int) -> None:
-        self.ae.set_local_load(load, capacity, used)
-
-
-class _PartitionedSide:
-    """Partial replication: one stream per partition, pushed to its homes; routers read
-    a home's index, a carried holder list or a lookup answer (``PartitionedView``)."""
-
-    __slots__ = ("pd", "view")
-
-    def __init__(self, pd: PartitionedDigest, members) -> None:
-        self.pd = pd
-        self.view = PartitionedView(pd, members)
-
-    def add(self, ns: bytes, chain: list[bytes], now: float) -> None:
-        self.pd.local_add_prefix(ns, chain, now)
-
-    def remove(self, ns: bytes, chain: list[bytes], now: float) -> None:
-        self.pd.local_remove_prefix(ns, chain, now)
-
-    def set_local_load(self, load: LoadFigures, capacity: int, used: int) -> None:
-        self.pd.set_local_load(load, capacity, used)
-
-
 class _TrustOf:
     """``Mapping.get`` over a router's TrustTracker at one instant (read lazily: the
     planner asks only for its candidates)."""
@@ -514,7 +473,7 @@ class Simulator:
         n.index = PeerCacheIndex()
         n.pd = None
         n.lookup_bytes = 0
-        n.side = _FullSide(n)
+        n.side = FullReplication(n.ae, n.index, MODEL_FP)
         n.gossip_round = functools.partial(self._gossip_full, n)
         if cfg.partitions:
             ident = n.ident
@@ -532,7 +491,7 @@ class Simulator:
                 config=PartitionConfig(n_partitions=cfg.partitions, replicas=cfg.replicas,
                                        lookup_ttl_s=cfg.lookup_ttl_s),
             )  # fmt: skip
-            n.side = _PartitionedSide(n.pd, lambda: self.all_pids)
+            n.side = PartialReplication(n.pd, lambda: self.all_pids)
             n.gossip_round = functools.partial(self._gossip_partitioned, n)
         n.policy = make_policy(
             cfg.policy, self.routing, random.Random(self.rng.getrandbits(64)), n.pid

@@ -73,6 +73,7 @@ from prefixmesh.overlay.core.identity import Identity, KeyFileNotFound, peer_id_
 from prefixmesh.overlay.core.limits import ForwardShareLimiter, InboundSubnetCap
 from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
+from prefixmesh.overlay.core.replication import FullReplication, PartialReplication, Replication
 from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
 from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
 from prefixmesh.overlay.digestexchange import DigestExchange, ExchangeSettings
@@ -288,6 +289,7 @@ class Node:
         self.exchange: DigestExchange | None = None
         # partial replication: the partitioned digest state replaces ae's role
         self.pd: PartitionedDigest | None = None
+        self.replication: Replication | None = None  # set with the digest exchange
         self.dht = None
         self.mdns = None
         self.started = trio.Event()
@@ -318,20 +320,12 @@ class Node:
         return [f"{a}/p2p/{self.identity.peer_id_b58}" for a in self.advertised_addrs()]
 
     def _before_tick(self, now: float) -> None:
-        assert self.ae is not None
-        pd = self.pd
+        repl = self.replication
+        assert repl is not None
         for ev in self.backend.drain_cache_events():
-            if pd is not None:
-                if ev.kind == "add":
-                    pd.local_add_prefix(ev.ns, ev.chain, now)
-                else:
-                    pd.local_remove_prefix(ev.ns, ev.chain, now)
-            elif ev.kind == "add":
-                self.ae.local_add_prefix(ev.ns, ev.chain)
-            else:
-                self.ae.local_remove_prefix(ev.ns, ev.chain)
+            (repl.add if ev.kind == "add" else repl.remove)(ev.ns, ev.chain, now)
         load = self.backend.load_figures()
-        (pd if pd is not None else self.ae).set_local_load(
+        repl.set_local_load(
             # an unmeasured rate is advertised as 0 ("unknown": peers then assume their own)
             LoadFigures(load.queue_depth, load.active,
                         load.prefill_tps if load.prefill_measured else 0.0, load.decode_tps),
@@ -416,7 +410,9 @@ class Node:
             )
             self.infer.partition = pgossip
             self.exchange = pgossip
+            self.replication = PartialReplication(self.pd, pgossip.members)
         elif opts.digest:
+            self.replication = FullReplication(self.ae, self.index, self.model_fp)
             self.exchange = Gossip(
                 self.host,
                 self.ae,
