@@ -73,9 +73,11 @@ from prefixmesh.overlay.core.identity import Identity, KeyFileNotFound, peer_id_
 from prefixmesh.overlay.core.limits import ForwardShareLimiter, InboundSubnetCap
 from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
+from prefixmesh.overlay.core.reachability import PROTOCOL as DIALBACK_PROTOCOL
 from prefixmesh.overlay.core.replication import FullReplication, PartialReplication, Replication
 from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
 from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
+from prefixmesh.overlay.dialback import DialbackServer, ReachabilityService
 from prefixmesh.overlay.digestexchange import DigestExchange, ExchangeSettings
 from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.events import ObserverFanout
@@ -252,6 +254,11 @@ class Node:
         self.heartbeat.persistent = lambda p: "bootstrap" in self.directory.sources_of(p)
         self.host.peer_is_down = self.heartbeat.is_down
         self.host.peer_is_known = self.heartbeat.is_known
+        # reachability (issue 16): answer peers' dial-back requests, ask our own
+        self.dialback = DialbackServer(self.host)
+        self.reachability = ReachabilityService(
+            self.host, peers=self.heartbeat.up_peers,
+            claimed_addrs=lambda: [*self.advertised_addrs(), *self.host.listen_addrs()])
         rc = config.routing
         self.policy = make_policy(
             rc.policy,
@@ -390,6 +397,7 @@ class Node:
             self.pd = self._partitioned_digest(now)
         self.host.set_handler(wire.INFER_PROTOCOL, self.infer.handle)
         self.host.set_handler(wire.PEERS_PROTOCOL, self.peers_service.handle)
+        self.host.set_handler(DIALBACK_PROTOCOL, self.dialback.handle)
         # one settings value for whichever digest exchange runs (overlay/digestexchange.py)
         exchange = ExchangeSettings(
             interval_s=cfg.digest.interval_s,
@@ -443,6 +451,7 @@ class Node:
             if self.exchange is not None:
                 await nursery.start(self.exchange.run)
             nursery.start_soon(bootstrap_loop, self.host, self.directory, list(cfg.node.bootstrap))
+            await nursery.start(self.reachability.run)
             if opts.dht:
                 from prefixmesh.overlay.discovery import DhtDiscovery
 
