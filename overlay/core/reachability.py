@@ -358,6 +358,8 @@ def verdict(observations: Sequence[Observation]) -> Reachability:
         ok = [r for r in o.answer.results if r.ok and not is_lan_ip(addr_ip(r.addr) or "")]
         if ok:
             confirmed.add(o.answerer)
+        elif any(r.ok for r in o.answer.results):
+            failed.append("dialled back only at a LAN address")
         else:
             reasons = sorted({r.why for r in o.answer.results}) or ["no address to dial"]
             failed.append(reasons[0])

@@ -1,0 +1,300 @@
+"""Our reachability check, ``/prefixmesh/dialback/1`` (issue 16): both sides, on trio.
+
+:class:`DialbackServer` answers: for each claimed address at the IP it sees the asker at
+(at most :data:`~.core.reachability.MAX_CLAIMED_ADDRS`, one request per asking peer per
+:data:`~.core.reachability.ANSWER_INTERVAL_S`, :data:`MAX_ANSWERING` at once) it dials a
+*fresh* connection (``swarm.dial_addr``: TCP + Noise, whose handshake checks the asker's
+peer id; :data:`~.core.reachability.DIALBACK_TIMEOUT_S` each, all in parallel), closes it
+and answers ``{seen, results}``. The library's AutoNAT v1 would instead reuse the
+connection the request came over and say "reachable" to any NATed node
+(docs/bench/nat.md, bug 2).
+
+:class:`ReachabilityService` asks: up to :data:`~.core.reachability.PEERS_TO_ASK` peers
+we hold a *direct* connection to, one per /24 first, one after another (the IP the first
+answerer sees us at adds the predicted address ``/ip4/<seen>/tcp/<listen port>`` to what
+the next ones try: that is how a volunteer's manual port forward or a UPnP mapping is
+confirmed), and keeps :attr:`ReachabilityService.reachability`
+(:class:`~.core.reachability.Reachability`: ``.kind`` unknown/public/private, ``.nat``
+unknown/port-preserving/symmetric). It re-checks every 10 minutes and as soon as our
+addresses change; ``on_change`` hooks run on every change of kind or NAT kind (the relay
+keeper, hole punching and the status line read it).
+
+The verdict rules and the wire codec are pure: ``overlay/core/reachability.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import multiaddr
+import trio
+from libp2p.peer.id import ID
+
+from .core import reachability as rb
+from .core.identity import peer_id_to_b58
+from .host import FramedStream, HostError, OverlayHost, remote_peer
+
+__all__ = ["DialbackServer", "ReachabilityService", "local_port", "direct_remote_ips",
+           "MAX_ANSWERING"]
+
+log = logging.getLogger(__name__)
+
+#: dial-back requests answered at once (each holds up to 4 dials for 3 s)
+MAX_ANSWERING = 8
+#: askers remembered for the per-peer rate limit (oldest forgotten first past this)
+_MAX_REMEMBERED = 4096
+#: the asker's wait for an answer: the answerer's parallel dials plus two round trips
+_ANSWER_WAIT_S = rb.DIALBACK_TIMEOUT_S + 4.0
+#: how often the service looks for address changes between timed checks
+_POLL_S = 5.0
+
+
+def local_port(stream) -> int | None:
+    """Our end's TCP port of the connection ``stream`` runs on (None if not readable).
+
+    py-libp2p exposes only the remote end; the local one sits on the trio socket at the
+    bottom of stream -> muxer -> security session -> raw connection."""
+    obj = stream
+    for _ in range(10):
+        sock = getattr(obj, "socket", None)
+        if sock is not None and hasattr(sock, "getsockname"):
+            try:
+                return int(sock.getsockname()[1])
+            except Exception:
+                return None
+        for attr in ("muxed_stream", "muxed_conn", "conn", "secured_conn", "read_writer",
+                     "stream", "_wrapped"):
+            nxt = getattr(obj, attr, None)
+            if nxt is not None and nxt is not obj:
+                obj = nxt
+                break
+        else:
+            return None
+    return None
+
+
+def _is_relayed(conn) -> bool:
+    with contextlib.suppress(Exception):
+        if "RELAYED" in str(conn.get_connection_type()):
+            return True
+    with contextlib.suppress(Exception):
+        return any("p2p-circuit" in str(a) for a in conn.get_transport_addresses())
+    return False
+
+
+def direct_remote_ips(host: OverlayHost, peer: bytes) -> list[str]:
+    """The IPs of our direct (not relayed) connections to ``peer``."""
+    out = []
+    try:
+        conns = host.libp2p.get_network().get_connections(ID(peer))
+    except Exception:
+        return out
+    for conn in conns:
+        if _is_relayed(conn):
+            continue
+        with contextlib.suppress(Exception):
+            got = conn.muxed_conn.get_remote_address()
+            if got:
+                out.append(str(got[0]))
+    return out
+
+
+class DialbackServer:
+    """The answering side (see the module docstring)."""
+
+    def __init__(self, host: OverlayHost, *, clock: Callable[[], float] = time.monotonic):
+        self.host = host
+        self.clock = clock
+        self._asked_at: dict[bytes, float] = {}
+        self._answering = 0
+        self.answered = 0
+        self.refused = 0
+        self.dials_ok = 0
+        self.dials_failed = 0
+
+    def _admit(self, peer: bytes) -> bool:
+        now = self.clock()
+        last = self._asked_at.get(peer)
+        if last is not None and now - last < rb.ANSWER_INTERVAL_S:
+            return False
+        if self._answering >= MAX_ANSWERING:
+            return False
+        self._asked_at.pop(peer, None)
+        self._asked_at[peer] = now
+        while len(self._asked_at) > _MAX_REMEMBERED:  # dicts keep insertion order
+            del self._asked_at[next(iter(self._asked_at))]
+        return True
+
+    async def handle(self, stream) -> None:
+        peer = remote_peer(stream)
+        fs = FramedStream(stream, timeout_s=5.0)
+        if not self._admit(peer):
+            self.refused += 1
+            await fs.reset()
+            return
+        self._answering += 1
+        try:
+            req = rb.decode_request(await fs.receive_raw(max_bytes=rb.MAX_MESSAGE_BYTES))
+            remote = stream.get_remote_address()
+            seen_ip, seen_port = (str(remote[0]), int(remote[1])) if remote else ("", 0)
+            to_dial, refused = rb.dialable_claims(req.addrs, seen_ip)
+            dialled: dict[str, rb.DialResult] = {}
+            async with trio.open_nursery() as nursery:
+                for a in to_dial:
+                    nursery.start_soon(self._dial_back, peer, a, dialled)
+            by_addr = {r.addr: r for r in refused} | dialled
+            results = tuple(by_addr[a] for a in req.addrs[: rb.MAX_CLAIMED_ADDRS] if a in by_addr)
+            await fs.send_raw(rb.encode_answer(rb.DialbackAnswer(seen_ip, seen_port, results)))
+            self.answered += 1
+            await fs.close()
+        except rb.DialbackError as exc:
+            self.refused += 1
+            log.debug("dial-back request from %s refused: %s", peer_id_to_b58(peer)[:16], exc)
+            await fs.reset()
+        finally:
+            self._answering -= 1
+
+    async def _dial_back(self, peer: bytes, addr: str, out: dict[str, rb.DialResult]) -> None:
+        network = self.host.libp2p.get_network()
+        why = "timeout"
+        ok = False
+        with trio.move_on_after(rb.DIALBACK_TIMEOUT_S):
+            try:
+                conn = await network.dial_addr(multiaddr.Multiaddr(addr), ID(peer))
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"[: rb.MAX_WHY_CHARS]
+            else:
+                ok, why = True, "dialed"
+                with contextlib.suppress(Exception), trio.move_on_after(1):
+                    await conn.close()
+        if ok:
+            self.dials_ok += 1
+        else:
+            self.dials_failed += 1
+        out[addr] = rb.DialResult(addr, ok, why)
+
+
+class ReachabilityService:
+    """The asking side: keeps :attr:`reachability` current (see the module docstring)."""
+
+    def __init__(
+        self,
+        host: OverlayHost,
+        *,
+        peers: Callable[[], Sequence[bytes]],
+        claimed_addrs: Callable[[], Sequence[str]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.peers = peers
+        self.claimed_addrs = claimed_addrs
+        self.clock = clock
+        self.reachability: rb.Reachability = rb.UNKNOWN
+        self.schedule = rb.RecheckSchedule()
+        #: hooks ``fn(old, new)`` run when ``kind`` or ``nat`` changes
+        self.on_change: list[Callable[[rb.Reachability, rb.Reachability], None]] = []
+        self.checks = 0
+        self._asked_at: dict[bytes, float] = {}
+        self._observations: dict[bytes, tuple[float, rb.Observation]] = {}
+        self._base: frozenset[str] = frozenset()
+        self._logged_first = False
+
+    # --- what we claim -----------------------------------------------------------------
+
+    def _claims(self, seen_ip: str) -> list[str]:
+        """Addresses to have dialled: a predicted WAN address first, then ours, non-LAN
+        before LAN, at most 4."""
+        own = self._base_addrs()
+        ports = [p for p in (rb.addr_port(a) for a in own) if p]
+        predicted = []
+        if seen_ip and not rb.is_lan_ip(seen_ip) and ports:
+            fam = "ip6" if ":" in seen_ip else "ip4"
+            predicted = [f"/{fam}/{seen_ip}/tcp/{ports[0]}"]
+        ranked = predicted + sorted((a for a in own if a not in predicted),
+                                    key=lambda a: rb.is_lan_ip(rb.addr_ip(a) or ""))
+        return [a for a in ranked if rb.addr_ip(a)][: rb.MAX_CLAIMED_ADDRS]
+
+    # --- asking ------------------------------------------------------------------------
+
+    async def _ask(self, peer: bytes, claims: list[str]) -> rb.Observation | None:
+        try:
+            stream = await self.host.open_stream(peer, rb.PROTOCOL)
+        except HostError as exc:
+            log.debug("dial-back ask %s: %s", peer_id_to_b58(peer)[:16], exc)
+            return None
+        fs = FramedStream(stream, timeout_s=_ANSWER_WAIT_S)
+        try:
+            await fs.send_raw(rb.encode_request(rb.DialbackRequest(tuple(claims))))
+            answer = rb.decode_answer(await fs.receive_raw(max_bytes=rb.MAX_MESSAGE_BYTES))
+        except (HostError, rb.DialbackError, ValueError) as exc:
+            # a peer that refused (asked too often) or sent garbage: no answer
+            log.debug("dial-back answer from %s: %s", peer_id_to_b58(peer)[:16], exc)
+            await fs.reset()
+            return None
+        await fs.close()
+        return rb.Observation(peer, local_port(stream), answer)
+
+    def _base_addrs(self) -> list[str]:
+        """Our claimed direct addresses (circuit addresses come and go with relays and
+        are no news about our own reachability)."""
+        return [a for a in dict.fromkeys(self.claimed_addrs()) if rb.addr_ip(a)]
+
+    def _own_ips(self) -> list[str]:
+        return [ip for ip in (rb.addr_ip(a) for a in self.host.listen_addrs()) if ip]
+
+    async def check_once(self) -> rb.Reachability:
+        """Ask the peers due a question and recompute the verdict (bounded: each ask is
+        under the host's stream timeout and :data:`_ANSWER_WAIT_S`)."""
+        now = self.clock()
+        base = frozenset(self._base_addrs())
+        if base != self._base:  # our addresses changed: earlier answers are stale
+            self._observations.clear()
+            self._asked_at.clear()
+            self._base = base
+        for p, (t, _) in list(self._observations.items()):
+            if now - t > rb.RECHECK_INTERVAL_S:
+                del self._observations[p]
+        candidates = [(p, ip) for p in self.peers()
+                      if now - self._asked_at.get(p, -1e18) >= rb.ANSWER_INTERVAL_S
+                      for ip in direct_remote_ips(self.host, p)]
+        seen_ip = self.reachability.seen_ip
+        for peer in rb.choose_askers(candidates, self._own_ips()):
+            self._asked_at[peer] = self.clock()
+            obs = await self._ask(peer, self._claims(seen_ip))
+            if obs is not None:
+                self._observations[peer] = (self.clock(), obs)
+                seen_ip = seen_ip or obs.answer.seen_ip
+        self.checks += 1
+        new = rb.verdict([o for _, o in self._observations.values()])
+        self._set(new)
+        self.schedule.checked(self.clock(), sorted(base), new)
+        return new
+
+    def _set(self, new: rb.Reachability) -> None:
+        old = self.reachability
+        self.reachability = new
+        changed = (old.kind, old.nat) != (new.kind, new.nat)
+        if changed or (not self._logged_first and new.kind != "unknown"):
+            self._logged_first = self._logged_first or new.kind != "unknown"
+            log.info("reachability: %s, NAT %s (%s%s)", new.kind, new.nat, new.why,
+                     f"; seen at {new.seen_ip}" if new.seen_ip else "")
+        if changed:
+            for hook in list(self.on_change):
+                try:
+                    hook(old, new)
+                except Exception as exc:  # a hook's bug must not stop the checks
+                    log.warning("reachability hook %r failed: %s", hook, exc)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        log.info("reachability: checking (dial-back by up to %d peers, %s)",
+                 rb.PEERS_TO_ASK, rb.PROTOCOL)
+        task_status.started()
+        while True:
+            if self.schedule.due(self.clock(), sorted(self._base_addrs())):
+                await self.check_once()
+            await trio.sleep(max(0.5, min(_POLL_S, self.schedule.next_in(self.clock()))))

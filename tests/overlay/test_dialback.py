@@ -1,0 +1,91 @@
+"""``/prefixmesh/dialback/1`` between real OverlayHosts (py-libp2p, Noise) in one process.
+
+Three hosts on three loopback addresses (127.0.0.1-3: distinct IPs, so each counts as its
+own answerer). What is checked is behaviour, not timing:
+
+* an answerer dials back a claimed address at the IP it sees the asker at, on a fresh
+  connection (Noise checks the peer id), and reports the port it saw: on loopback that is
+  our own end of the connection, so the NAT kind is ``port-preserving``;
+* a claim at another IP is refused without dialing (no amplification);
+* a second request from the same peer within a minute is refused;
+* a dial-back to an address where a *different* peer listens fails (peer id checked);
+* loopback is a LAN address: dialled back at it, the verdict is ``private``, never
+  ``public`` (a neighbour reaching us says nothing about the internet).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import trio
+
+from prefixmesh.overlay.core import reachability as rb
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.dialback import DialbackServer, ReachabilityService, local_port
+from prefixmesh.overlay.host import FramedStream, HostError, OverlayHost
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def _host(ip: str) -> OverlayHost:
+    return OverlayHost(Identity.generate(), [f"/ip4/{ip}/tcp/{_free_port(ip)}"])
+
+
+async def _ask_raw(asker: OverlayHost, peer: bytes, claims: list[str]) -> rb.DialbackAnswer | None:
+    try:  # a refused request is reset: the stream may fail as early as its negotiation
+        stream = await asker.open_stream(peer, rb.PROTOCOL)
+        fs = FramedStream(stream, timeout_s=10.0)
+        await fs.send_raw(rb.encode_request(rb.DialbackRequest(tuple(claims))))
+        return rb.decode_answer(await fs.receive_raw(max_bytes=rb.MAX_MESSAGE_BYTES))
+    except (HostError, rb.DialbackError):
+        return None
+
+
+def test_dialback_between_real_hosts():
+    async def main() -> None:
+        a, b, c = _host("127.0.0.1"), _host("127.0.0.2"), _host("127.0.0.3")
+        impostor = _host("127.0.0.1")
+        async with a.run(), b.run(), c.run(), impostor.run():
+            servers = {h.peer_id: DialbackServer(h) for h in (b, c)}
+            for h in (b, c):
+                h.set_handler(rb.PROTOCOL, servers[h.peer_id].handle)
+            for h in (b, c):
+                await a.connect(h.peer_id, h.listen_addrs())
+            svc = ReachabilityService(a, peers=lambda: [b.peer_id, c.peer_id],
+                                      claimed_addrs=a.listen_addrs)
+            changes = []
+            svc.on_change.append(lambda old, new: changes.append((old.kind, new.kind)))
+            with trio.fail_after(60):
+                r = await svc.check_once()
+            assert r.kind == "private" and "LAN" in r.why, r
+            assert r.nat == "port-preserving", r
+            assert r.seen_ip == "127.0.0.1"
+            assert changes == [("unknown", "private")]
+            assert all(s.answered == 1 and s.dials_ok == 1 for s in servers.values())
+
+            # asked again within a minute: refused, no answer
+            with trio.fail_after(30):
+                assert await _ask_raw(a, b.peer_id, a.listen_addrs()) is None
+            assert servers[b.peer_id].refused == 1
+
+            # c answers once more after we forget the rate limit: other IP refused,
+            # the impostor's address fails the Noise peer-id check
+            servers[c.peer_id]._asked_at.clear()
+            other_ip = f"/ip4/127.0.0.9/tcp/{_free_port('127.0.0.1')}"
+            with trio.fail_after(30):
+                ans = await _ask_raw(a, c.peer_id, [other_ip, impostor.listen_addrs()[0]])
+            assert ans is not None
+            by = {x.addr: x for x in ans.results}
+            assert not by[other_ip].ok and "seen at" in by[other_ip].why
+            assert not by[impostor.listen_addrs()[0]].ok
+            assert servers[c.peer_id].dials_failed == 1
+
+            stream = await a.open_stream(b.peer_id, "/ipfs/id/1.0.0")
+            assert local_port(stream) is not None
+            await stream.reset()
+
+    trio.run(main)
