@@ -38,6 +38,7 @@ import trio
 from .core.admission import NEVER_UP, Merit, MeritTable
 from .core.identity import IdentityError, peer_id_to_b58, public_key_from_peer_id
 from .core.limits import subnet_of_multiaddr
+from .core.relaying import transport_part
 from .host import HostError, OverlayHost, split_p2p_addr
 
 __all__ = [
@@ -113,7 +114,7 @@ class PeerDirectory:
         known.sources.add(source)
         added = False
         for a in addrs:
-            a = a.split("/p2p/")[0]
+            a = transport_part(a)  # a circuit address keeps its relay's /p2p/R
             if _usable(a) and a not in known.addrs:
                 known.addrs.insert(0, a)  # newest first
                 added = True
