@@ -38,6 +38,18 @@ Connections
     as libp2p registers it (a swarm notifee; counted in :attr:`OverlayHost.inbound_refused`),
     unless a counted peer of that subnet is stale (no live connection, or
     :attr:`OverlayHost.peer_is_down`): that one is disconnected and its slot reused.
+
+Circuits (issue 16)
+    py-libp2p's swarm never dials ``/p2p-circuit`` addresses: :meth:`OverlayHost.connect`
+    dials them itself through the library's ``CircuitV2Transport`` (roles ``STOP``: with
+    ``CLIENT`` every dial would also RESERVE), under the same timeout, after the direct
+    addresses failed; every node runs the stop side (:class:`~.relay.FixedHop` without
+    hop) to accept relayed connections. A private node with reservations advertises its
+    circuit addresses instead of its listen addresses (:meth:`OverlayHost.set_circuit_addrs`);
+    :meth:`OverlayHost.link_kind` tells relayed from direct links. Private addresses of
+    peers off our own networks never reach the peerstore
+    (:func:`~.core.relaying.keep_peer_addr`): identify reports a home's LAN address, and a
+    relay dialling it wasted 8 s (docs/bench/nat.md).
 """
 
 from __future__ import annotations
@@ -59,10 +71,13 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
 
-from .core import wire
+from .core import relaying, wire
 from .core.admission import InboundConn, inbound_victim
 from .core.dialing import DialGate
 from .core.digest import DigestError
@@ -75,6 +90,7 @@ from .libp2p_guard import (
     install_guards,
     own_dial,
 )
+from .relay import FixedHop, relay_limits
 
 __all__ = [
     "HostError",
@@ -286,6 +302,19 @@ class _InboundGate(QuietNotifee):
             self.host.inbound_cap.release(peer_id.to_bytes())  # its last connection went
 
 
+def _filter_peer_addrs(peerstore, keep: Callable[[str], bool]) -> None:
+    """Make ``peerstore.add_addrs`` (identify, Kademlia and ours all go through it) drop
+    the addresses ``keep`` refuses."""
+    add_addrs = peerstore.add_addrs
+
+    def filtered(peer_id, addrs, ttl: int = 0) -> None:
+        kept = [a for a in addrs if keep(str(a))]
+        if kept:
+            add_addrs(peer_id, kept, ttl)
+
+    peerstore.add_addrs = filtered
+
+
 class OverlayHost:
     """A py-libp2p host with our security, identity and timeout policy."""
 
@@ -324,6 +353,13 @@ class OverlayHost:
         # pass it (overlay/core/dialing.py, libp2p_guard)
         self.dial_gate = DialGate()
         install_guards(self.libp2p, peerstore, self.dial_gate)
+        self._own_ips = concrete_ipv4_addrs()
+        _filter_peer_addrs(peerstore, lambda a: relaying.keep_peer_addr(a, self._own_ips))
+        # circuits: our stop side and the transport that dials /p2p-circuit addresses
+        self.circuit_stop = FixedHop(self.libp2p, limits=relay_limits(), allow_hop=False)
+        self.circuit_transport = CircuitV2Transport(
+            self.libp2p, self.circuit_stop, RelayConfig(roles=RelayRole.STOP))
+        self._circuit_addrs: list[str] = []
         self._nursery: trio.Nursery | None = None
         # pre-negotiated idle streams: (peer, protocol) -> [(stream, opened_at)]
         self._pool: dict[tuple[bytes, str], list[tuple[object, float]]] = {}
@@ -351,7 +387,8 @@ class OverlayHost:
         hold that one exception only."""
         check_listen_addrs_free([str(a) for a in self._listen])
         try:
-            async with self.libp2p.run(listen_addrs=self._listen), trio.open_nursery() as nursery:
+            async with self.libp2p.run(listen_addrs=self._listen), \
+                    background_trio_service(self.circuit_stop), trio.open_nursery() as nursery:
                 for a in self._listen:
                     parts = str(a).strip("/").split("/")
                     if len(parts) >= 4 and parts[2] == "tcp" and parts[3] != "0":
@@ -386,8 +423,35 @@ class OverlayHost:
     # --- addresses -------------------------------------------------------------------
 
     def listen_addrs(self) -> list[str]:
+        """The transport addresses we advertise (no trailing ``/p2p/SELF``): our circuit
+        addresses while :meth:`set_circuit_addrs` holds some (a private node reserved at
+        relays), else :meth:`transport_addrs`."""
+        return list(self._circuit_addrs) or self.transport_addrs()
+
+    def transport_addrs(self) -> list[str]:
         """Concrete transport addresses (no ``/p2p`` part; never 0.0.0.0, never port 0)."""
         return [str(a) for a in _expand_unspecified(self.libp2p.get_transport_addrs())]
+
+    def set_circuit_addrs(self, addrs: Sequence[str]) -> None:
+        """Advertise these ``/.../p2p/R/p2p-circuit`` addresses (none: our listen ones)."""
+        self._circuit_addrs = [relaying.transport_part(a) for a in addrs]
+
+    def link_kind(self, peer: bytes) -> str | None:
+        """``relayed`` or ``direct`` for our live connection to ``peer`` (None: none)."""
+        try:
+            conns = self.libp2p.get_network().get_connections(ID(peer))
+        except Exception:
+            return None
+        kinds = set()
+        for conn in conns:
+            try:
+                addrs = [str(a) for a in conn.get_transport_addresses()]
+            except Exception:
+                addrs = []
+            kinds.add("relayed" if any(relaying.is_circuit(a) for a in addrs) else "direct")
+        if not kinds:
+            return None
+        return "direct" if "direct" in kinds else "relayed"
 
     def full_addrs(self) -> list[str]:
         """Dialable multiaddrs with our ``/p2p/<id>`` suffix."""
@@ -428,10 +492,15 @@ class OverlayHost:
     async def connect(
         self, peer: bytes, addrs: Sequence[str] = (), timeout_s: float | None = None
     ) -> None:
-        """Connect (or reuse a connection) within ``timeout_s``; raises :class:`HostError`."""
+        """Connect (or reuse a connection) within ``timeout_s``; raises :class:`HostError`.
+        Direct addresses first, then circuit addresses (module docstring, "Circuits")."""
         if peer == self.peer_id:
             raise PeerUnreachable("refusing to dial ourselves")
-        self.add_addrs(peer, addrs)
+        addrs = [a for a in addrs if relaying.keep_peer_addr(a, self._own_ips)]
+        circuits = [a for a in addrs if relaying.is_circuit(a)
+                    and relaying.relay_of_circuit(a) != self.identity.peer_id_b58]
+        direct = [a for a in addrs if not relaying.is_circuit(a)]
+        self.add_addrs(peer, direct)
         pid = ID(peer)
         network = self.libp2p.get_network()
         with contextlib.suppress(Exception):
@@ -439,14 +508,36 @@ class OverlayHost:
         try:
             with trio.fail_after(timeout_s or self.dial_timeout_s):
                 with own_dial():  # admitted by our caller (heartbeat) or configured
-                    await self.libp2p.connect(
-                        PeerInfo(pid, [multiaddr.Multiaddr(a) for a in addrs]))
+                    if self.is_connected(peer) or not circuits:
+                        await self.libp2p.connect(
+                            PeerInfo(pid, [multiaddr.Multiaddr(a) for a in direct]))
+                        return
+                    if direct:
+                        with contextlib.suppress(Exception):
+                            await self.libp2p.connect(
+                                PeerInfo(pid, [multiaddr.Multiaddr(a) for a in direct]))
+                            return
+                    await self._dial_circuits(peer, circuits)
         except trio.TooSlowError:
             raise PeerTimeout(f"dial {peer_id_to_b58(peer)[:16]} timed out") from None
         except (HostError, trio.Cancelled):
             raise
         except Exception as exc:
             raise PeerUnreachable(f"dial {peer_id_to_b58(peer)[:16]} failed: {exc}") from None
+
+    async def _dial_circuits(self, peer: bytes, circuits: Sequence[str]) -> None:
+        """Dial ``peer`` through the relays of ``circuits``, one after the other."""
+        b58 = peer_id_to_b58(peer)
+        errors = []
+        for a in circuits:
+            try:
+                await self.circuit_transport.dial(multiaddr.Multiaddr(f"{a}/p2p/{b58}"))
+                return
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                errors.append(f"{a}: {exc}")
+        raise PeerUnreachable(f"dial {b58[:16]} through relays failed: {'; '.join(errors)}")
 
     async def disconnect(self, peer: bytes) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(2):
