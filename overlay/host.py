@@ -326,6 +326,7 @@ class OverlayHost:
         dial_timeout_s: float = DIAL_TIMEOUT_S,
         stream_timeout_s: float = STREAM_TIMEOUT_S,
         inbound_cap=None,
+        observe_addrs: bool = False,
     ):
         self.identity = identity
         self.peer_id: bytes = identity.peer_id
@@ -345,7 +346,8 @@ class OverlayHost:
             peerstore_opt=(peerstore := GuardedPeerStore(ID(self.peer_id))),
             listen_addrs=self._listen,
             addrs_factory=_expand_unspecified,
-            disable_identify_address_discovery=True,
+            # identify's observed addresses: DCUtR needs our WAN address (nat.md, bug 4)
+            disable_identify_address_discovery=not observe_addrs,
         )
         if self.libp2p.get_id().to_bytes() != self.peer_id:  # pragma: no cover
             raise HostError("libp2p peer id differs from our identity's peer id")
