@@ -71,9 +71,11 @@ from prefixmesh.overlay.core.antientropy import AntiEntropy
 from prefixmesh.overlay.core.digest import LoadFigures
 from prefixmesh.overlay.core.identity import Identity, KeyFileNotFound, peer_id_to_b58
 from prefixmesh.overlay.core.limits import ForwardShareLimiter, InboundSubnetCap
+from prefixmesh.overlay.core.models import ModelEntry, catalog, model_name_from_path
 from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
 from prefixmesh.overlay.core.peerindex import PeerCacheIndex
 from prefixmesh.overlay.core.reachability import PROTOCOL as DIALBACK_PROTOCOL
+from prefixmesh.overlay.core.relaying import reachability_from_addrs
 from prefixmesh.overlay.core.replication import FullReplication, PartialReplication, Replication
 from prefixmesh.overlay.core.routing import RoutingConfig, make_policy
 from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
@@ -83,6 +85,7 @@ from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.events import ObserverFanout
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat
+from prefixmesh.overlay.holepunch import HolePunchService
 from prefixmesh.overlay.host import (
     HostError,
     OverlayHost,
@@ -91,6 +94,12 @@ from prefixmesh.overlay.host import (
 from prefixmesh.overlay.infer import InferService, InferSettings
 from prefixmesh.overlay.keyfile import load_identity, save_identity
 from prefixmesh.overlay.partgossip import PartitionGossip
+from prefixmesh.overlay.relay import (
+    NatRoles,
+    RelayService,
+    ReservationKeeper,
+    known_public_peers,
+)
 
 from .http_gateway import serve_node_http
 from .locks import LockError, lock_cache_dir, lock_key_file
@@ -229,12 +238,16 @@ class Node:
         self.backend = backend or _make_backend(config, self.options)
         self.model_fp = self.backend.model_fingerprint
         self.tenants = TenantRegistry.from_specs(config.tenant_specs(), self.model_fp)
+        # the name this node announces for its model (core/models.py: the file's stem)
+        self.model_name = model_name_from_path(getattr(self.backend, "model_path", None),
+                                               self.model_fp)
         # PEERS answers share one reply a second and are rate-limited per peer
         self.peers_service = PeersService(self.peers_reply)
         n_inbound = config.limits.max_inbound_per_subnet
         self.host = OverlayHost(
             self.identity, [config.node.listen],
             inbound_cap=InboundSubnetCap(n_inbound) if n_inbound > 0 else None,
+            observe_addrs=config.nat.hole_punching,  # DCUtR needs our observed WAN address
         )
         self.index = PeerCacheIndex()
         self.directory = PeerDirectory(self.identity.peer_id,
@@ -249,6 +262,7 @@ class Node:
             context_tokens=lambda: getattr(self.backend, "context_tokens", None),
         )
         self.directory.on_new_peer = self.heartbeat.watch
+            model=(self.model_fp, self.model_name),  # the mesh's model catalog (issue 18)
         self.heartbeat.on_forget = self.directory.forget  # bounded dialing (issue 14)
         self.directory.merit = self.heartbeat.merit
         self.heartbeat.persistent = lambda p: "bootstrap" in self.directory.sources_of(p)
@@ -258,7 +272,18 @@ class Node:
         self.dialback = DialbackServer(self.host)
         self.reachability = ReachabilityService(
             self.host, peers=self.heartbeat.up_peers,
-            claimed_addrs=lambda: [*self.advertised_addrs(), *self.host.listen_addrs()])
+            claimed_addrs=lambda: [*self.advertised_addrs(), *self.host.transport_addrs()])
+        # relay service while public, reservations at relays while private (issue 16)
+        self.nat = NatRoles(
+            self._reachability_kind,
+            relay=(lambda: RelayService(self.host)) if config.nat.relay_service else None,
+            keeper=lambda: ReservationKeeper(
+                self.host, bootstrap=lambda: list(self.config.node.bootstrap),
+                known=lambda: known_public_peers(self.directory),
+                on_change=self._republish_addrs),
+            on_keeper_stop=self._republish_addrs)
+        self.holepunch = HolePunchService(self.host, self.reachability,
+                                          enabled=config.nat.hole_punching)
         rc = config.routing
         self.policy = make_policy(
             rc.policy,
@@ -319,12 +344,49 @@ class Node:
         h = self.heartbeat.health.get(peer)
         return h.summary_hash if h is not None else b""
 
+    def _model_peers(self) -> list[bytes]:
+        """Up peers of our model: the digest exchange's (other models' records are refused)."""
+        return self.heartbeat.up_peers_of(self.model_fp)
+
+    def models(self) -> tuple[ModelEntry, ...]:
+        """The models the mesh serves now, as this node sees it (ours first)."""
+        return catalog((self.model_fp, self.model_name), self.heartbeat.up_models())
+
     def advertised_addrs(self) -> list[str]:
         adv = [a.split("/p2p/")[0] for a in self.config.node.advertise]
         return adv or self.host.listen_addrs()
 
     def full_addrs(self) -> list[str]:
         return [f"{a}/p2p/{self.identity.peer_id_b58}" for a in self.advertised_addrs()]
+
+    @property
+    def keeper(self) -> ReservationKeeper | None:
+        """Our relay reservations while private (status reads it)."""
+        return self.nat.keeper
+
+    @property
+    def relay_service(self) -> RelayService | None:
+        return self.nat.relay
+
+    def _reachability_kind(self) -> str:
+        """The dial-back verdict once it has one; until then a guess from our own
+        addresses (a global IP: public; RFC 1918: private; loopback: unknown)."""
+        kind = self.reachability.reachability.kind
+        if kind != "unknown":
+            return kind
+        return reachability_from_addrs([*self.advertised_addrs(), *self.host.transport_addrs()])
+
+    def _republish_addrs(self) -> None:
+        """Our relays changed: advertise the circuit addresses (or the listen ones again)
+        in a fresh digest record now; the DHT record takes them at its next round."""
+        keeper = self.nat.keeper
+        self.host.set_circuit_addrs(keeper.circuit_addrs() if keeper is not None else [])
+        addrs = self.advertised_addrs()
+        log.info("advertising %s", ", ".join(addrs) or "no address")
+        if self.ae is not None:
+            self.ae.set_local_addrs(addrs)
+            if self.exchange is not None and self.pd is None:
+                self.ae.restate(time.time())
 
     def _before_tick(self, now: float) -> None:
         repl = self.replication
@@ -411,7 +473,7 @@ class Node:
             pgossip = PartitionGossip(
                 self.host,
                 self.pd,
-                peers=self.heartbeat.up_peers,
+                peers=self._model_peers,
                 on_learn=lambda peer, addrs: self.directory.learn(peer, addrs, "gossip"),
                 before_tick=self._before_tick,
                 settings=exchange,
@@ -425,7 +487,7 @@ class Node:
                 self.host,
                 self.ae,
                 self.index,
-                peers=self.heartbeat.up_peers,
+                peers=self._model_peers,
                 on_learn=lambda peer, addrs: self.directory.learn(peer, addrs, "gossip"),
                 before_tick=self._before_tick,
                 settings=exchange,
@@ -452,6 +514,8 @@ class Node:
                 await nursery.start(self.exchange.run)
             nursery.start_soon(bootstrap_loop, self.host, self.directory, list(cfg.node.bootstrap))
             await nursery.start(self.reachability.run)
+            await nursery.start(self.nat.run)
+            await nursery.start(self.holepunch.run)
             if opts.dht:
                 from prefixmesh.overlay.discovery import DhtDiscovery
 
@@ -612,6 +676,7 @@ class Node:
             self_peer=self.identity.peer_id,
             model=self.model_fp,
             addrs=tuple(self.full_addrs()[: wire.MAX_ADDRS]),
+                model=h.model if h is not None else b"",
             peers=tuple(rows),
             stats=self.stats(),
         )
@@ -619,6 +684,7 @@ class Node:
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {f"infer_{k}": int(v) for k, v in self.infer.stats.items()}
         if self.exchange is not None:
+            models=self.models(),
             out.update(self.exchange.node_stats())
         if self.ae is not None:
             for k, v in self.ae.stats["rejected"].items():
@@ -631,6 +697,10 @@ class Node:
         if self.host.inbound_cap is not None:
             out["inbound_refused"] = self.host.inbound_refused
         out["inbound_evicted"] = self.host.inbound_evicted
+        if self.nat.relay is not None:  # the relay service we offer (issue 16)
+            out.update({f"relay_{k}": v for k, v in self.nat.relay.stats().items()})
+        if self.nat.keeper is not None:
+            out["relays_reserved"] = len(self.nat.keeper.reserved_relays())
         trust = self.infer.trust
         if trust is not None:  # observed peers' trust, per mille (overlay/core/trust.py)
             mono = time.monotonic()

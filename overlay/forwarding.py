@@ -47,6 +47,9 @@ RETRYABLE_CODES = frozenset(
     {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed", "duplicate",
      "unknown_namespace"}
 )
+#: appended to a forward's reason in the route trace when the link to the next peer is
+#: relayed (a /p2p-circuit connection)
+RELAYED_MARK = " [relayed]"
 #: how long a peer that answered "unknown_namespace" is not offered that namespace again
 NOT_SERVING_TTL_S = 60.0
 _MAX_NOT_SERVING = 4096
@@ -196,6 +199,9 @@ class RouteExecutor:
             self.stats["served_local"] += 1
             return hop, self.server.source(req, t_recv, [*req.trace, *extra_hops], hop)
         reason = hop_base.reason if i == 0 else "fallback after a failed hop"
+        if getattr(self.host, "link_kind", lambda p: None)(target) == "relayed":
+            # the link goes through a relay (issue 16): the trace says so
+            reason = reason[: wire.MAX_SHORT_STRING - len(RELAYED_MARK)] + RELAYED_MARK
         hop = replace(hop_base, action="forward", next_peer=target,
                       reason=reason[: wire.MAX_SHORT_STRING])
         visited = (*req.visited, self.me, *failed)[-wire.MAX_HOPS :]

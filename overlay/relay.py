@@ -237,6 +237,7 @@ class ReservationKeeper:
         self.last_failure: str | None = None
         self.reserved_total = 0
         self.lost_total = 0
+        self._said_unreachable = False
 
     # --- what status reads ----------------------------------------------------------
 
@@ -302,6 +303,12 @@ class ReservationKeeper:
             log.info("reachable via relay %s (reservation for %.0f s)", relay[-8:], ttl)
         if changed:
             self.on_change()
+            self._said_unreachable = False
+        elif not self.held and picks and not self._said_unreachable:
+            self._said_unreachable = True
+            log.warning("not reachable from outside our NAT: no relay accepted a reservation "
+                        "(tried %s; %s); we keep asking and serve as an entry node meanwhile",
+                        ", ".join(r[-8:] for r in self._tried) or "none", self.last_failure)
 
     async def _check(self) -> None:
         now = self.clock()
@@ -383,3 +390,62 @@ def known_public_peers(directory, limit: int = 16) -> list[str]:
         if len(out) >= limit:
             break
     return out
+
+
+class NatRoles:
+    """Runs the relay service while we are ``public`` (and ``[nat].relay_service`` is on)
+    and the reservation keeper while we are ``private``; ``kind()`` is the node's current
+    verdict (the dial-back's, or :func:`~.core.relaying.reachability_from_addrs` until it
+    has one), looked at every :data:`CHECK_S`. A role that no longer fits is stopped (a
+    stopped keeper's circuit addresses are withdrawn through ``on_keeper_stop``)."""
+
+    CHECK_S = 1.0
+
+    def __init__(self, kind: Callable[[], str], *, relay: Callable[[], RelayService] | None,
+                 keeper: Callable[[], ReservationKeeper],
+                 on_keeper_stop: Callable[[], None] = lambda: None) -> None:
+        self.kind = kind
+        self._make_relay, self._make_keeper = relay, keeper
+        self.on_keeper_stop = on_keeper_stop
+        self.relay: RelayService | None = None
+        self.keeper: ReservationKeeper | None = None
+        self._scopes: dict[str, trio.CancelScope] = {}
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started(self)
+            while True:
+                kind = self.kind()
+                want = {"public": "relay" if self._make_relay else None,
+                        "private": "keeper"}.get(kind)
+                for role in list(self._scopes):
+                    if role != want:
+                        self._scopes.pop(role).cancel()
+                        log.info("reachability now %s: %s stopped", kind, role)
+                        if role == "keeper":
+                            self.keeper = None
+                            self.on_keeper_stop()
+                        else:
+                            self.relay = None
+                if want and want not in self._scopes:
+                    await nursery.start(self._run_role, want)
+                await trio.sleep(self.CHECK_S)
+
+    async def _run_role(self, role: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes[role] = scope
+            if role == "relay":
+                assert self._make_relay is not None
+                self.relay = self._make_relay()
+                service = self.relay
+            else:
+                self.keeper = self._make_keeper()
+                service = self.keeper
+            task_status.started()
+            try:
+                await service.run()
+            except trio.Cancelled:
+                raise
+            except Exception:  # the node keeps serving without this role
+                log.exception("%s stopped", role)
+            self._scopes.pop(role, None)
