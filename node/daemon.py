@@ -237,10 +237,10 @@ class Node:
         self.identity = identity or _load_or_create_identity(config.node.key_file)
         self.backend = backend or _make_backend(config, self.options)
         self.model_fp = self.backend.model_fingerprint
-        self.tenants = TenantRegistry.from_specs(config.tenant_specs(), self.model_fp)
         # the name this node announces for its model (core/models.py: the file's stem)
         self.model_name = model_name_from_path(getattr(self.backend, "model_path", None),
                                                self.model_fp)
+        self.tenants = TenantRegistry.from_specs(config.tenant_specs(), self.model_fp)
         # PEERS answers share one reply a second and are rate-limited per peer
         self.peers_service = PeersService(self.peers_reply)
         n_inbound = config.limits.max_inbound_per_subnet
@@ -260,9 +260,9 @@ class Node:
             timeout_s=self.options.heartbeat_timeout_s,
             # our context length in every PONG: entry nodes refuse a prompt no node fits
             context_tokens=lambda: getattr(self.backend, "context_tokens", None),
+            model=(self.model_fp, self.model_name),  # the mesh's model catalog (issue 18)
         )
         self.directory.on_new_peer = self.heartbeat.watch
-            model=(self.model_fp, self.model_name),  # the mesh's model catalog (issue 18)
         self.heartbeat.on_forget = self.directory.forget  # bounded dialing (issue 14)
         self.directory.merit = self.heartbeat.merit
         self.heartbeat.persistent = lambda p: "bootstrap" in self.directory.sources_of(p)
@@ -340,10 +340,6 @@ class Node:
         load = self.backend.load_figures()
         return load.queue_depth, load.active
 
-    def _peer_summary_hash(self, peer: bytes) -> bytes:
-        h = self.heartbeat.health.get(peer)
-        return h.summary_hash if h is not None else b""
-
     def _model_peers(self) -> list[bytes]:
         """Up peers of our model: the digest exchange's (other models' records are refused)."""
         return self.heartbeat.up_peers_of(self.model_fp)
@@ -351,6 +347,10 @@ class Node:
     def models(self) -> tuple[ModelEntry, ...]:
         """The models the mesh serves now, as this node sees it (ours first)."""
         return catalog((self.model_fp, self.model_name), self.heartbeat.up_models())
+
+    def _peer_summary_hash(self, peer: bytes) -> bytes:
+        h = self.heartbeat.health.get(peer)
+        return h.summary_hash if h is not None else b""
 
     def advertised_addrs(self) -> list[str]:
         adv = [a.split("/p2p/")[0] for a in self.config.node.advertise]
@@ -671,20 +671,20 @@ class Node:
                 n_hashes=est.n_hashes if est else 0,
                 digest_age_s=max(0.0, now - heard) if heard else -1.0,
                 sources=tuple(sorted(self.directory.sources_of(peer)))[:8],
+                model=h.model if h is not None else b"",
             ))
         return wire.PeersReply(
             self_peer=self.identity.peer_id,
             model=self.model_fp,
             addrs=tuple(self.full_addrs()[: wire.MAX_ADDRS]),
-                model=h.model if h is not None else b"",
             peers=tuple(rows),
             stats=self.stats(),
+            models=self.models(),
         )
 
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {f"infer_{k}": int(v) for k, v in self.infer.stats.items()}
         if self.exchange is not None:
-            models=self.models(),
             out.update(self.exchange.node_stats())
         if self.ae is not None:
             for k, v in self.ae.stats["rejected"].items():
