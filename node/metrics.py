@@ -242,6 +242,7 @@ class NodeCollector:
         if backend is not None:
             yield from self._engine(backend)
         yield from self._peers()
+        yield from self._reachability()
         yield from self._digest()
         yield from self._rejected()
 
@@ -325,6 +326,38 @@ class NodeCollector:
             for peer in sorted(trust.peers())[:MAX_PEERS_LABELLED]:
                 fam.add_metric([peer_id_to_b58(peer)], trust.trust(peer, mono))
             yield fam
+
+    def _reachability(self) -> Iterable:
+        """Issue 16: the status line as labels (value 1), dial-back and hole-punch counts."""
+        if getattr(self.node, "reachability", None) is None:
+            return
+        from prefixmesh.overlay.dialback import reachability_report
+
+        p = PREFIX
+        rep = reachability_report(self.node)
+        fam = GaugeMetricFamily(p + "reachability", "reachability verdict (value 1): "
+                                "kind public/private/unknown, NAT kind, the status line",
+                                labels=["kind", "nat", "status"])
+        fam.add_metric([rep["kind"], rep["nat"], rep["line"][:200]], 1)
+        yield fam
+        yield GaugeMetricFamily(p + "relay_reservations", "relays holding our reservation",
+                                value=len(rep["relays"]))
+        server = getattr(self.node, "dialback", None)
+        if server is not None:
+            db = CounterMetricFamily(p + "dialback_requests", "peers' dial-back requests",
+                                     labels=["result"])
+            db.add_metric(["answered"], server.answered)
+            db.add_metric(["refused"], server.refused)
+            yield db
+        punch = rep.get("hole_punch")
+        if punch:
+            hp = CounterMetricFamily(p + "hole_punch_attempts", "DCUtR hole punches to "
+                                     "relayed peers, by result", labels=["result"])
+            hp.add_metric(["success"], punch["successes"])
+            hp.add_metric(["failure"], punch["attempts"] - punch["successes"])
+            yield hp
+            yield GaugeMetricFamily(p + "direct_punched_peers", "peers reached directly after "
+                                    "a hole punch", value=punch["direct_peers"])
 
     def _digest(self) -> Iterable:
         p = PREFIX

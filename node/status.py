@@ -83,6 +83,10 @@ def _self(node, metrics, now: float) -> dict[str, Any]:
         }
     except Exception:  # engine not loaded yet or closing
         me["engine"] = None
+    if getattr(node, "reachability", None) is not None:  # issue 16
+        from prefixmesh.overlay.dialback import reachability_report
+
+        me["reachability"] = reachability_report(node)
     infer = getattr(node, "infer", None)
     if infer is not None:
         keep = ("requests", "served_local", "forwarded", "fallbacks", "errors", "rate_limited")
@@ -219,6 +223,10 @@ def render_text(ov: dict[str, Any], *, width: int = 100, height: int = 40) -> st
     me = ov.get("node", {})
     lines = [f"node {me.get('peer_id', '?')}  model {me.get('model', '?')}  "
              f"policy {me.get('policy', '?')}  up {me.get('uptime_s', 0):.0f} s"]
+    reach = me.get("reachability") or {}
+    if reach:
+        lines.append(f"reachability: {reach.get('line', '?')}"
+                     + (f"  (NAT {reach['nat']})" if reach.get("nat", "unknown") != "unknown" else ""))
     eng = me.get("engine") or {}
     if eng:
         cap = eng.get("kv_capacity_bytes") or 0

@@ -37,8 +37,8 @@ from .core import reachability as rb
 from .core.identity import peer_id_to_b58
 from .host import FramedStream, HostError, OverlayHost, remote_peer
 
-__all__ = ["DialbackServer", "ReachabilityService", "local_port", "direct_remote_ips",
-           "MAX_ANSWERING"]
+__all__ = ["DialbackServer", "ReachabilityService", "local_port", "direct_remote_ips", "is_relayed",
+           "reachability_report", "MAX_ANSWERING"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def local_port(stream) -> int | None:
     return None
 
 
-def _is_relayed(conn) -> bool:
+def is_relayed(conn) -> bool:
     with contextlib.suppress(Exception):
         if "RELAYED" in str(conn.get_connection_type()):
             return True
@@ -93,7 +93,7 @@ def direct_remote_ips(host: OverlayHost, peer: bytes) -> list[str]:
     except Exception:
         return out
     for conn in conns:
-        if _is_relayed(conn):
+        if is_relayed(conn):
             continue
         with contextlib.suppress(Exception):
             got = conn.muxed_conn.get_remote_address()
@@ -245,7 +245,7 @@ class ReachabilityService:
         return [a for a in dict.fromkeys(self.claimed_addrs()) if rb.addr_ip(a)]
 
     def _own_ips(self) -> list[str]:
-        return [ip for ip in (rb.addr_ip(a) for a in self.host.listen_addrs()) if ip]
+        return [ip for ip in (rb.addr_ip(a) for a in self.host.transport_addrs()) if ip]
 
     async def check_once(self) -> rb.Reachability:
         """Ask the peers due a question and recompute the verdict (bounded: each ask is
@@ -298,3 +298,44 @@ class ReachabilityService:
             if self.schedule.due(self.clock(), sorted(self._base_addrs())):
                 await self.check_once()
             await trio.sleep(max(0.5, min(_POLL_S, self.schedule.next_in(self.clock()))))
+
+
+def _relay_keeper(node):
+    """The node's reservation keeper (overlay/relay.py), whichever name it is under."""
+    for name in ("keeper", "relay_keeper", "reservations"):
+        k = getattr(node, name, None)
+        if k is not None and hasattr(k, "reserved_relays"):
+            return k
+    return None
+
+
+def reachability_report(node) -> dict:
+    """What ``prefixmesh status``, the dashboard and ``/metrics`` show about reachability:
+    the status line (:func:`~.core.reachability.status_line`) and what it rests on. Reads
+    the node's ``reachability`` service, its relay keeper and its hole puncher where they
+    exist (each may be absent: a node without them is reported as such)."""
+    svc = getattr(node, "reachability", None)
+    r = getattr(svc, "reachability", rb.UNKNOWN)
+    keeper = _relay_keeper(node)
+    punch = getattr(node, "holepunch", None)
+    reserved: list[str] = []
+    tried: list[str] = []
+    failure = None
+    if keeper is not None:
+        with contextlib.suppress(Exception):
+            reserved = list(keeper.reserved_relays())
+            tried = list(keeper.tried())
+            failure = getattr(keeper, "last_failure", None)
+    elif r.kind == "private":
+        failure = "no relay reservation (relay client not running)"
+    direct = int(punch.direct_peers()) if punch is not None else 0
+    return {
+        "line": rb.status_line(r, reserved_relays=reserved, tried_relays=tried,
+                               relay_failure=failure, punched_peers=direct),
+        "kind": r.kind,
+        "nat": r.nat,
+        "why": r.why,
+        "seen_ip": r.seen_ip,
+        "relays": reserved,
+        "hole_punch": punch.counts() if punch is not None else None,
+    }

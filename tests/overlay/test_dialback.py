@@ -89,3 +89,56 @@ def test_dialback_between_real_hosts():
             await stream.reset()
 
     trio.run(main)
+
+
+def test_status_metrics_and_screen_show_the_reachability_line():
+    """The one report (overlay/dialback.reachability_report) feeds ``/metrics``, the
+    overview JSON and ``prefixmesh status``'s screen; the relay keeper and the hole
+    puncher are read where the node has them."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixmesh.node.metrics import NodeMetrics
+    from prefixmesh.node.status import overview, render_text
+    from prefixmesh.overlay.dialback import reachability_report
+    from prefixmesh.overlay.holepunch import HolePunchService, should_punch
+
+    me = Identity.generate()
+    host = OverlayHost(me, ["/ip4/127.0.0.1/tcp/0"])
+    svc = ReachabilityService(host, peers=list, claimed_addrs=host.transport_addrs)
+    node = SimpleNamespace(identity=me, model_fp=b"", reachability=svc,
+                           dialback=DialbackServer(host))
+    assert reachability_report(node)["line"] == "unknown: not checked yet"
+
+    svc.reachability = rb.Reachability("private", "symmetric", "2 of 2 peers could not")
+    assert reachability_report(node)["line"] == (
+        "private, not reachable: no relay reservation (relay client not running)")
+    node.keeper = SimpleNamespace(reserved_relays=lambda: [], tried=lambda: ["R1", "R2"],
+                                  last_failure=None)
+    assert reachability_report(node)["line"] == (
+        "private, not reachable: no relay accepted a reservation (tried R1, R2)")
+    node.keeper = SimpleNamespace(reserved_relays=lambda: ["R2"], tried=lambda: ["R1", "R2"],
+                                  last_failure="R1: NO_RESERVATION")
+    rep = reachability_report(node)
+    assert rep["line"] == "private (reachable via relay R2)" and rep["nat"] == "symmetric"
+
+    node.holepunch = HolePunchService(host, svc, enabled=True)
+    assert not should_punch(True, svc.reachability)
+    assert should_punch(True, rb.Reachability("private", "port-preserving", ""))
+    assert not should_punch(False, rb.Reachability("private", "port-preserving", ""))
+    assert not should_punch(True, rb.Reachability("public", "port-preserving", ""))
+
+    text = NodeMetrics(node).exposition().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    key = ("prefixmesh:reachability", (("kind", "private"), ("nat", "symmetric"),
+                                       ("status", "private (reachable via relay R2)")))
+    assert samples[key] == 1
+    assert samples[("prefixmesh:relay_reservations", ())] == 1
+    assert samples[("prefixmesh:hole_punch_attempts_total", (("result", "success"),))] == 0
+    assert samples[("prefixmesh:dialback_requests_total", (("result", "answered"),))] == 0
+
+    ov = overview(node)
+    assert ov["node"]["reachability"]["line"] == "private (reachable via relay R2)"
+    assert "reachability: private (reachable via relay R2)  (NAT symmetric)" in render_text(ov)
