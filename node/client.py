@@ -7,7 +7,10 @@
 
 The client asks the node for its model fingerprint once (``/prefixmesh/peers``), derives
 the tenant's namespace key from it, and signs each request with a per-request credential
-(``node.tenants``). Every wait is bounded by the request deadline plus a small grace, so
+(``node.tenants``). ``model=`` asks for another model of the mesh (a name, the alias
+``prefixmesh``, or a fingerprint: ``overlay/core/models.resolve`` over the node's model
+catalog from the same PEERS reply): the namespace key is then derived from that model's
+fingerprint and the request names it, and the node passes it to a node of that model. Every wait is bounded by the request deadline plus a small grace, so
 a call never hangs: it yields the answer or raises a :class:`ClientError` subclass that
 says what went wrong (:class:`ConnectFailed`, :class:`RequestFailed` with the node's
 error code, :class:`ConnectionLost`, :class:`ClientTimeout`, :class:`ClientProtocolError`).
@@ -28,6 +31,7 @@ import trio
 
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.identity import Identity, peer_id_to_b58
+from prefixmesh.overlay.core.models import MAX_MODEL_FP_BYTES, ModelEntry, resolve
 from prefixmesh.overlay.host import (
     FramedStream,
     HostError,
@@ -46,6 +50,7 @@ __all__ = [
     "ConnectionLost",
     "ClientTimeout",
     "ClientProtocolError",
+    "ModelNotFound",
     "Answer",
     "Client",
     "open_client_for_cli",
@@ -86,6 +91,15 @@ class ClientProtocolError(ClientError):
     """The node sent something the protocol does not allow."""
 
 
+class ModelNotFound(ClientError):
+    """No node of the mesh (as the node sees it) serves the model asked for."""
+
+
+def _models_text(models) -> str:
+    return ", ".join(f"{m.name} ({m.fp_hex[:16]}, {m.nodes} node{'s' if m.nodes != 1 else ''})"
+                     for m in models) or "none"
+
+
 @dataclass
 class Answer:
     text: str
@@ -100,6 +114,7 @@ class Client:
         self.peer = peer
         self.addr = addr
         self.model: bytes | None = None
+        self.models: tuple[ModelEntry, ...] = ()  # the mesh's models, from the PEERS reply
 
     @property
     def peer_b58(self) -> str:
@@ -139,7 +154,23 @@ class Client:
         if not isinstance(reply, wire.PeersReply):
             raise ClientProtocolError(f"expected PEERS_REPLY, got {type(reply).__name__}")
         self.model = reply.model
+        self.models = reply.models
         return reply
+
+    async def resolve_model(self, query: str) -> bytes:
+        """The fingerprint of the model ``query`` names (a name, ``prefixmesh``, a
+        fingerprint or a unique hex prefix) among the mesh's models as the node sees them
+        now; a full fingerprint not listed is passed on as it is (the node decides).
+        Raises :class:`ModelNotFound` naming the models there are."""
+        await self.peers()
+        entry = resolve(query, self.models)
+        if entry is not None:
+            return entry.fingerprint
+        q = query.strip().lower()
+        if len(q) == 32 and all(c in "0123456789abcdef" for c in q):
+            return bytes.fromhex(q)
+        raise ModelNotFound(f"no node in the mesh serves model {query[:80]!r} now; "
+                            f"models: {_models_text(self.models)}")
 
     async def model_fingerprint(self) -> bytes:
         if self.model is None:
@@ -165,9 +196,21 @@ class Client:
         seed: int = 0,
         deadline_s: float = 60.0,
         hop_budget: int = 2,
+        model: str | bytes | None = None,
     ) -> AsyncIterator[str | wire.Final]:
-        """Send one request; yield text pieces, then the FINAL frame (stats + route)."""
-        t = tenant if isinstance(tenant, Tenant) else await self.tenant(tenant)
+        """Send one request; yield text pieces, then the FINAL frame (stats + route).
+        ``model``: a fingerprint (bytes) or what :meth:`resolve_model` accepts; None:
+        the node's own model."""
+        fp = b""
+        if model is not None:
+            fp = model if isinstance(model, bytes) else await self.resolve_model(model)
+            if not 0 < len(fp) <= MAX_MODEL_FP_BYTES:
+                raise ModelNotFound(f"a model fingerprint has 1..{MAX_MODEL_FP_BYTES} bytes")
+        if fp:  # the namespace key of that model (a tenant is bound to one model)
+            spec = tenant.spec if isinstance(tenant, Tenant) else tenant
+            t = Tenant.derive(spec or default_tenant_specs()[0], fp)
+        else:
+            t = tenant if isinstance(tenant, Tenant) else await self.tenant(tenant)
         request_id = os.urandom(16)
         deadline = time.time() + deadline_s
         req = t.sign(wire.Request(  # the credential binds id, deadline and content
@@ -179,6 +222,7 @@ class Client:
                                    top_p=float(top_p), seed=seed),
             deadline=deadline,
             hop_budget=hop_budget,
+            model=fp,
         ))
         state = wire.InferStreamState()
         try:
@@ -244,13 +288,14 @@ class Client:
     # --- CLI adapters (node/chat_cli.py) ---------------------------------------------
 
     def chat_send(self, max_tokens: int, tenant: TenantSpec | None = None,
-                  deadline_s: float = 60.0):
+                  deadline_s: float = 60.0, model: str | None = None):
         async def send(messages: list[dict[str, str]]):
             t0 = time.perf_counter()
             ttft = math.nan
             msgs = [(m["role"], m["content"]) for m in messages]
             async with contextlib.aclosing(self.stream(
-                    msgs, tenant=tenant, max_tokens=max_tokens, deadline_s=deadline_s)) as items:
+                    msgs, tenant=tenant, max_tokens=max_tokens, deadline_s=deadline_s,
+                    model=model)) as items:
                 async for item in items:
                     if isinstance(item, str):
                         if math.isnan(ttft):
@@ -267,6 +312,9 @@ class Client:
             # the node gave up at the client's deadline: say which knob sets it
             return (f"no complete answer within the deadline (--timeout, "
                     f"[client].timeout_s): {exc.message}")
+        if isinstance(exc, RequestFailed) and exc.code == "unknown_model":
+            return (f"no node in the mesh serves that model now ({exc.message}); "
+                    "`prefixmesh peers` lists the models there are")
         if isinstance(exc, RequestFailed):
             return f"the node refused or failed the request ({exc.code}): {exc.message}"
         if isinstance(exc, ClientError):
@@ -282,6 +330,8 @@ def peers_report(reply: wire.PeersReply) -> dict[str, Any]:
     return {
         "self": peer_id_to_b58(reply.self_peer),
         "model": reply.model.hex(),
+        "models": [{"name": m.name, "fingerprint": m.fp_hex, "nodes": m.nodes,
+                    "local": m.local} for m in reply.models],
         "addrs": list(reply.addrs),
         "peers": [
             {
@@ -295,6 +345,7 @@ def peers_report(reply: wire.PeersReply) -> dict[str, Any]:
                 "n_hashes": p.n_hashes,
                 "digest_age_s": p.digest_age_s,
                 "sources": list(p.sources),
+                "model": p.model.hex(),
             }
             for p in reply.peers
         ],
@@ -372,9 +423,9 @@ async def open_client_for_cli(cfg: Any) -> AsyncIterator[Client]:
         original = client.chat_send
 
         def chat_send(max_tokens: int, tenant: TenantSpec | None = spec,
-                      deadline_s: float | None = None):
+                      deadline_s: float | None = None, model: str | None = None):
             timeout = getattr(getattr(cfg, "client", None), "timeout_s", 60.0)
-            return original(max_tokens, tenant, deadline_s or timeout)
+            return original(max_tokens, tenant, deadline_s or timeout, model)
 
         client.chat_send = chat_send  # type: ignore[method-assign]
         yield client

@@ -119,6 +119,7 @@ from .openai_schema import (
     Unauthorized,
     UpstreamError,
     Usage,
+    catalog_models_object,
     chat_chunk_object,
     chat_completion_object,
     completion_chunk_object,
@@ -256,6 +257,9 @@ class GenerationJob:
     # template when it supports tools (else ``messages``, the generic rendering, is used)
     tool_chat: tuple | None = None
     logprobs: int = -1  # -1: none; else alternatives per token (0..20)
+    # the fingerprint of another model of the mesh that must answer (b"": this node's);
+    # such a job is never tokenized or served here: its messages go to a node of it
+    model: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -515,13 +519,14 @@ class GatewayApp:
             await _drain(receive, DRAIN_LIMIT_BYTES, 2.0)
             raise
         if path == "/v1/models":
-            await _send_json(send, 200, models_object(self.backend.model_ids()))
+            await _send_json(send, 200, models_json(self.backend))
         elif path.startswith("/v1/models/"):
             model = path[len("/v1/models/"):]
-            if model not in self.backend.model_ids():
-                raise NotFound(f"model {model!r} does not exist", param="model",
+            found = model_json(self.backend, model)
+            if found is None:
+                raise NotFound(f"model {model[:120]!r} does not exist", param="model",
                                code="model_not_found")
-            await _send_json(send, 200, models_object([model])["data"][0])
+            await _send_json(send, 200, found)
         elif path == "/prefixmesh/status":
             status = dict(self.backend.status())
             status["gateway"] = {"active": self.active, **self.stats}
@@ -542,9 +547,12 @@ class GatewayApp:
                 job = GenerationJob(tenant=tenant, sampling=req.sampling,
                                     deadline_s=s.deadline_s, prompt=req.prompt,
                                     logprobs=req.logprobs)
-            if req.model not in self.backend.model_ids():
-                raise NotFound(f"model {req.model!r} does not exist (see GET /v1/models)",
+            fp = job_model(self.backend, req.model)
+            if fp is None:
+                raise NotFound(f"model {req.model[:120]!r} does not exist: no node of the mesh "
+                               "serves it now (see GET /v1/models)",
                                param="model", code="model_not_found")
+            job = dataclasses.replace(job, model=fp)
             if self.active >= s.max_concurrent:
                 raise NoCapacity(f"the gateway is serving {self.active} requests, its limit")
             self.active += 1
@@ -985,6 +993,9 @@ _WIRE_ERRORS: dict[str, type[ApiError]] = {
 
 
 def _api_error(frame) -> ApiError:
+    if frame.code == "unknown_model":  # OpenAI's answer to a model nobody serves
+        return NotFound(f"model_not_found: {frame.message}", param="model",
+                        code="model_not_found")
     cls = _WIRE_ERRORS.get(frame.code, InternalError)
     return cls(f"{frame.code}: {frame.message}", code=frame.code)
 
@@ -1043,6 +1054,7 @@ class NodeGatewayBackend:
         self._model_ids = list(model_ids) if model_ids else default_model_ids(backend)
         self.node = node  # the daemon's Node: the operator endpoints read it
         self.metrics = metrics  # its node.metrics.NodeMetrics
+        self._foreign_tenants: dict[tuple[str, bytes], Any] = {}  # other models' keys
 
     def metrics_text(self) -> bytes:
         if self.metrics is None:
@@ -1058,6 +1070,36 @@ class NodeGatewayBackend:
 
     def model_ids(self) -> list[str]:
         return list(self._model_ids)
+
+    def model_catalog(self):
+        """The models the mesh serves now (``core/models.ModelEntry``, ours first)."""
+        from prefixmesh.overlay.core.models import ModelEntry
+
+        models = getattr(self.node, "models", None)
+        if models is not None:
+            return models()
+        return (ModelEntry(bytes(self.backend.model_fingerprint), self._model_ids[0], 1, True),)
+
+    def resolve_model(self, name: str):
+        """The catalog entry ``name`` names (``core/models.resolve``), or None."""
+        from prefixmesh.overlay.core.models import resolve
+
+        return resolve(name, self.model_catalog())
+
+    def _tenant_for(self, name: str, model: bytes):
+        """The tenant ``name`` bound to ``model`` (b"": ours): namespace keys are per model."""
+        from .tenants import Tenant
+
+        tenant = self.tenants.by_name(name)
+        if tenant is None or not model:
+            return tenant
+        key = (name, model)
+        found = self._foreign_tenants.get(key)
+        if found is None:
+            if len(self._foreign_tenants) >= _MAX_FOREIGN_TENANTS:
+                self._foreign_tenants.clear()
+            found = self._foreign_tenants[key] = Tenant.derive(tenant.spec, model)
+        return found
 
     def tenant_names(self) -> list[str]:
         return self.tenants.names()
@@ -1105,11 +1147,18 @@ class NodeGatewayBackend:
 
     @contextlib.asynccontextmanager
     async def generation(self, job: GenerationJob) -> AsyncIterator[AsyncIterator[GatewayEvent]]:
-        tenant = self.tenants.by_name(job.tenant)
+        tenant = self._tenant_for(job.tenant, job.model)
         if tenant is None:
             raise NotFound(f"tenant {job.tenant!r} is not configured", code="tenant_not_found")
-        tokens = await self._prompt_tokens(job)
-        if not tokens:
+        if job.model:  # another model's: its node renders and tokenizes (our tokenizer is ours)
+            if job.prompt is not None:
+                raise BadRequest("a raw-prompt completion of another model than this node's "
+                                 "must enter at a node of that model; use /v1/chat/completions",
+                                 param="model", code="model_not_local")
+            tokens: tuple[int, ...] = ()
+        else:
+            tokens = await self._prompt_tokens(job)
+        if not tokens and not job.model:
             raise BadRequest("the prompt is empty after tokenization", code="invalid_prompt")
         if len(tokens) > wire.MAX_PROMPT_TOKENS:
             raise BadRequest(f"the prompt has {len(tokens)} tokens, more than "
@@ -1122,6 +1171,8 @@ class NodeGatewayBackend:
         req = tenant.sign(wire.Request(  # the credential binds id, deadline and content
             id=request_id,
             ns=tenant.ns_id,
+            messages=tuple(wire.Message(r, c) for r, c in job.messages) if job.model else (),
+            model=job.model,
             tokens=tokens,
             sampling=wire.Sampling(max_tokens=s.max_tokens, temperature=float(s.temperature),
                                    top_p=float(s.top_p), seed=s.seed),
@@ -1163,16 +1214,59 @@ class NodeGatewayBackend:
 
 
 def default_model_ids(backend) -> list[str]:
-    """The model's file name without ``.gguf`` (e.g. ``SmolLM2-135M-Instruct.Q4_1``), and
-    the alias ``prefixmesh`` (the node's one model, whatever it is)."""
-    path = getattr(backend, "model_path", None)
-    if path:
-        name = Path(str(path)).name
-        if name.lower().endswith(".gguf"):
-            name = name[: -len(".gguf")]
-    else:
-        name = "prefixmesh-" + bytes(backend.model_fingerprint).hex()[:12]
-    return [name, "prefixmesh"]
+    """The model's name (``core/models.model_name_from_path``: the file name without
+    ``.gguf``, e.g. ``SmolLM2-135M-Instruct.Q4_1``), and the alias ``prefixmesh`` (the
+    node's own model, whatever it is)."""
+    from prefixmesh.overlay.core.models import LOCAL_ALIAS, model_name_from_path
+
+    return [model_name_from_path(getattr(backend, "model_path", None),
+                                 bytes(backend.model_fingerprint)), LOCAL_ALIAS]
+
+
+#: tenants derived for other models' requests (namespace keys per model): a few per model
+_MAX_FOREIGN_TENANTS = 256
+
+
+def models_json(backend) -> dict[str, Any]:
+    """``GET /v1/models``: this node's model under its ids (its name, the alias), then the
+    mesh's other models by name (by fingerprint where a name is taken), each with its
+    fingerprint and how many nodes serve it now."""
+    catalog = getattr(backend, "model_catalog", None)
+    if catalog is None:  # a backend that knows only its own model
+        return models_object(backend.model_ids())
+    rows: list[tuple[str, str, int, bool]] = []
+    taken: set[str] = set()
+    for e in catalog():
+        for model_id in (backend.model_ids() if e.local else [e.name]):
+            model_id = e.fp_hex if model_id in taken else model_id
+            taken.add(model_id)
+            rows.append((model_id, e.fp_hex, e.nodes, e.local))
+    return catalog_models_object(rows)
+
+
+def model_json(backend, name: str) -> dict[str, Any] | None:
+    """``GET /v1/models/{name}``: the listed object ``name`` is the id of, else the one of
+    the model it names (a fingerprint, a hex prefix); None: no such model now."""
+    listed = models_json(backend)["data"]
+    found = next((m for m in listed if m["id"] == name), None)
+    fp = job_model(backend, name) if found is None else None
+    if fp is not None:
+        want = fp.hex() if fp else None
+        found = next((m for m in listed if (m.get("prefixmesh", {}).get("fingerprint") == want
+                      if want else m["id"] in backend.model_ids())), None)
+    return found
+
+
+def job_model(backend, name: str) -> bytes | None:
+    """The fingerprint of the model a request names when it is another node's (b"": this
+    node's own), or None when no node of the mesh serves it now."""
+    if name in backend.model_ids():
+        return b""
+    resolve = getattr(backend, "resolve_model", None)
+    entry = resolve(name) if resolve is not None and isinstance(name, str) else None
+    if entry is None:
+        return None
+    return b"" if entry.local else bytes(entry.fingerprint)
 
 
 # --- serving ------------------------------------------------------------------------------

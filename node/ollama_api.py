@@ -103,6 +103,24 @@ def _canonical_model(name: str, model_ids: list[str]) -> str | None:
     return None
 
 
+def _mesh_ids(backend) -> list[str]:
+    """Every model id ``GET /v1/models`` lists (this node's, then the mesh's others)."""
+    from .http_gateway import models_json  # noqa: PLC0415 - it imports this module
+
+    return [m["id"] for m in models_json(backend)["data"]]
+
+
+def _job_model(backend, name: str) -> bytes | None:
+    """The fingerprint to ask for (b"": this node's model), None: nobody serves it."""
+    from .http_gateway import job_model  # noqa: PLC0415
+
+    for candidate in (name, name[: -len(":latest")] if name.endswith(":latest") else None):
+        fp = job_model(backend, candidate) if candidate else None
+        if fp is not None:
+            return fp
+    return None
+
+
 def _options(obj: Mapping[str, Any]) -> dict[str, Any]:
     """Ollama ``options`` as OpenAI sampling fields (after refusing what we cannot honour)."""
     opts = obj.get("options")
@@ -293,7 +311,7 @@ async def handle(app, hooks: GatewayHooks, path: str, method: str, send) -> None
             await hooks.send_json(send, 200, {"version": importlib.metadata.version("prefixmesh")})
             return
         tenant = hooks.resolve_tenant()
-        model_ids = list(app.backend.model_ids())
+        model_ids = _mesh_ids(app.backend)
         if path == "/api/tags":
             await hooks.send_json(send, 200, tags_object(model_ids, app.clock()))
             return
@@ -320,9 +338,10 @@ async def _generate(app, hooks: GatewayHooks, path: str, obj, tenant: str,
     s = app.settings
     parse = parse_ollama_chat if path == "/api/chat" else parse_ollama_generate
     req = parse(obj, default_max_tokens=s.default_max_tokens)
-    model = _canonical_model(req.model, model_ids)
-    if model is None:
-        raise NotFound(f"model {req.model!r} not found (see /api/tags)")
+    fp = _job_model(app.backend, req.model)
+    if fp is None:
+        raise NotFound(f"model {req.model[:120]!r} not found: no node of the mesh serves it "
+                       "now (see /api/tags)")
     created = app.clock()
     if req.openai is None:
         await hooks.send_json(send, 200, response_object(req, created, "", done=True,
@@ -332,7 +351,8 @@ async def _generate(app, hooks: GatewayHooks, path: str, obj, tenant: str,
     extra = {"messages": o.messages} if isinstance(o, ChatRequest) else {"prompt": o.prompt}
     if req.grammar:
         extra["grammar"] = req.grammar
-    job = hooks.make_job(tenant=tenant, sampling=o.sampling, deadline_s=s.deadline_s, **extra)
+    job = hooks.make_job(tenant=tenant, sampling=o.sampling, deadline_s=s.deadline_s,
+                         model=fp, **extra)
     if app.active >= s.max_concurrent:
         raise NoCapacity(f"the gateway is serving {app.active} requests, its limit")
     app.active += 1

@@ -83,6 +83,7 @@ __all__ = [
     "completion_object",
     "completion_chunk_object",
     "models_object",
+    "catalog_models_object",
     "sse_event",
     "SSE_DONE",
     "StopScanner",
@@ -631,6 +632,18 @@ def models_object(model_ids: Sequence[str], *, created: int = 0,
     return {"object": "list", "data": [
         {"id": m, "object": "model", "created": created, "owned_by": owned_by}
         for m in model_ids
+    ]}
+
+
+def catalog_models_object(rows: Sequence[tuple[str, str, int, bool]], *, created: int = 0,
+                          owned_by: str = "prefixmesh") -> dict[str, Any]:
+    """``GET /v1/models`` of a mesh: one object per (id, fingerprint hex, nodes, local) row,
+    OpenAI's fields plus ``prefixmesh`` (the fingerprint, how many nodes serve the model
+    now, whether this node does), which standard clients ignore."""
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": created, "owned_by": owned_by,
+         "prefixmesh": {"fingerprint": fp, "nodes": nodes, "local": local}}
+        for m, fp, nodes, local in rows
     ]}
 
 

@@ -7,9 +7,12 @@ Sources
     3. mDNS on the LAN (switchable; :class:`MdnsDiscovery`); py-libp2p's callback runs on
        zeroconf's thread and is bridged into trio with ``trio.from_thread.run_sync``;
     4. a Kademlia DHT in server mode (:class:`DhtDiscovery`): the node announces itself
-       as a provider under a key derived from the model fingerprint and periodically
-       looks up other providers; our own DHT records are signed by their writer and
-       checked by a namespace validator whose ``select()`` prefers the newest valid one.
+       as a provider under a key derived from its model fingerprint and under one key
+       common to the whole mesh (:func:`mesh_key`: every model), and periodically looks
+       up the providers of both (its own model's first), so a node also finds nodes of
+       other models, which it passes their models' requests to; our own DHT records are
+       signed by their writer and checked by a namespace validator whose ``select()``
+       prefers the newest valid one.
 
 Every learned peer goes to :class:`PeerDirectory`, which remembers its addresses and how
 we learned it, and calls ``on_new_peer`` for a new peer or new addresses of a known one
@@ -375,6 +378,18 @@ def providers_key(model_fp: bytes) -> str:
     return "1220" + digest.hex()
 
 
+def mesh_key() -> str:
+    """The DHT provider key every node announces, whatever its model (many models in one
+    mesh: a node finds nodes of other models through it; their models come in PONGs)."""
+    import hashlib
+
+    return "1220" + hashlib.sha256(b"prefixmesh/mesh/v1").digest().hex()
+
+
+#: providers taken from each key per round (own model, then the mesh key)
+MAX_PROVIDERS_PER_KEY = 32
+
+
 def encode_dht_record(identity, addrs: Sequence[str], issued_at: float) -> bytes:
     """A signed ``{peer, addrs, issued_at}`` record: canonical CBOR ``[body, signature]``."""
     import cbor2
@@ -461,11 +476,13 @@ class PrefixmeshValidator:
 
 
 class DhtDiscovery:
-    """Kademlia DHT in server mode: announce as a provider of the model key, find others.
+    """Kademlia DHT in server mode: announce as a provider of the model key and of the
+    mesh key, find others.
 
     Every ``interval_s`` (first rounds faster): add connected peers to the routing table,
-    re-announce (provider record + our signed address record under
-    ``/prefixmesh/<our b58 id>``), then ``find_providers``; providers without addresses
+    re-announce (provider records + our signed address record under
+    ``/prefixmesh/<our b58 id>``), then ``find_providers`` of our model's key, then of the
+    mesh key (at most :data:`MAX_PROVIDERS_PER_KEY` each); providers without addresses
     are resolved through their signed record (or ``find_peer``). Found peers are learned
     with source ``"dht"``. Every DHT call runs under ``op_timeout_s``.
     """
@@ -483,6 +500,7 @@ class DhtDiscovery:
         self.host = host
         self.directory = directory
         self.key = providers_key(model_fp)
+        self.keys = (self.key, mesh_key())  # announced and looked up, own model first
         self.interval_s = interval_s
         self.op_timeout_s = op_timeout_s
         self.connected = connected or host.connected_peers
@@ -523,16 +541,21 @@ class DhtDiscovery:
         if dht.get_routing_table_size() == 0:
             return
         me = self.host.identity.peer_id_b58
-        with trio.move_on_after(self.op_timeout_s):
-            await dht.provide(self.key)
+        for key in self.keys:
+            with trio.move_on_after(self.op_timeout_s):
+                await dht.provide(key)
         with trio.move_on_after(self.op_timeout_s):
             await dht.put_value(
                 f"/{DHT_NAMESPACE}/{me}",
                 encode_dht_record(self.host.identity, self.host.listen_addrs(), time.time()),
             )
-        providers = []
-        with trio.move_on_after(self.op_timeout_s):
-            providers = await dht.find_providers(self.key, 32)
+        providers, seen = [], set()
+        for key in self.keys:
+            with trio.move_on_after(self.op_timeout_s):
+                for info in await dht.find_providers(key, MAX_PROVIDERS_PER_KEY):
+                    if info.peer_id not in seen:
+                        seen.add(info.peer_id)
+                        providers.append(info)
         for info in providers:
             peer = info.peer_id.to_bytes()
             if peer == self.host.peer_id:

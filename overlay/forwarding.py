@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 #: or baseline policy may pick a peer that does not; another node, or this one, can)
 RETRYABLE_CODES = frozenset(
     {"overloaded", "no_route", "shutting_down", "internal", "upstream_failed", "duplicate",
-     "unknown_namespace"}
+     "unknown_namespace", "unknown_model"}
 )
 #: appended to a forward's reason in the route trace when the link to the next peer is
 #: relayed (a /p2p-circuit connection)

@@ -469,6 +469,12 @@ class InferService:
     async def _route_checked(self, req: wire.Request, relay: Relay, t_recv: float) -> None:
         if req.hop_budget > self.settings.hop_budget:
             req = replace(req, hop_budget=self.settings.hop_budget)
+        if req.model and req.model != self.backend.model_fingerprint:
+            await self._relay_to_model(req, relay, t_recv)
+            return
+        # the first node of the request's model plans it as its entry (looks up, checks the
+        # context), also when a node of another model passed it on (still in messages)
+        first_planner = not req.trace or bool(req.messages)
         tenant = self.tenants.lookup(req.ns)
         if tenant is not None:
             try:  # the credential binds id, deadline and content (overlay/core/reqdigest.py)
@@ -500,7 +506,7 @@ class InferService:
         if req.messages:  # tokenized here (this node holds the secret): sign the new form
             req = tenant.sign(replace(req, tokens=tuple(tokens), messages=()))
 
-        plan, hop_base = await self._plan(req, tenant)
+        plan, hop_base = await self._plan(req, tenant, first_planner)
         if isinstance(plan, Reject):
             relay.action, relay.reason = "reject", plan.code
             await self._finish_error(relay, plan.code, plan.reason)
@@ -511,13 +517,15 @@ class InferService:
         await self.routes.run(req, relay, t_recv, list(plan.targets), plan.decision, hop_base,
                               claims, plan.ctx)
 
-    async def _plan(self, req: wire.Request, tenant) -> tuple[Plan, wire.Hop | None]:
+    async def _plan(self, req: wire.Request, tenant, first_planner: bool | None = None
+                    ) -> tuple[Plan, wire.Hop | None]:
         """Ask the planner (overlay/core/planner.py) what to do, carrying out its lookups;
         returns the final plan and the hop record this node adds to the trace."""
         t0 = self.clock()
         chain = chain_hashes(tenant.namespace_key, req.tokens, BLOCK_TOKENS)
         local_matched = await self.backend.match_length(req.ns, req.tokens)
-        inp = self._plan_input(req, tenant, chain, local_matched, self.backend.load_figures())
+        inp = self._plan_input(req, tenant, chain, local_matched, self.backend.load_figures(),
+                               first_planner=first_planner)
         plan = self._planned(inp)
         if isinstance(plan, LookUp):
             inp = replace(inp, answer=await self._look_up(plan.homes, req.ns, chain),
@@ -544,17 +552,21 @@ class InferService:
         return plan
 
     def _plan_input(self, req: wire.Request, tenant, chain: list[bytes], local_matched: int,
-                    load) -> PlanInput:
+                    load, *, first_planner: bool | None = None) -> PlanInput:
         """What this node knows at decision time, as values (the simulator fills the same
         ``PlanInput`` from its model; tests/overlay/core/test_planner_differential.py holds them equal)."""
         now = self.clock()
+        entry = not req.trace if first_planner is None else first_planner
         visited = frozenset(req.visited) | {self.me}
         health = self.heartbeat.health
+        own_model = self.backend.model_fingerprint
         peers: dict[bytes, PeerLink] = {}
         for peer in self.heartbeat.up_peers():
             if peer in visited or not tenant.may_serve(peer) or self.routes.is_not_serving(peer, req.ns):
                 continue
             h = health.get(peer)
+            if getattr(h, "model", b"") not in (b"", own_model):
+                continue  # a node of another model: its caches and tokens are not ours
             peers[peer] = PeerLink(
                 rtt_s=h.rtt_s if h is not None else None,
                 # a PONG's figures are fresher than the digest's
@@ -585,13 +597,13 @@ class InferService:
             peers=peers,
             may_serve_here=tenant.may_serve(self.me) and fits_context(len(req.tokens), own_ctx),
             carried=dict(req.holders) if req.holders else None,
-            may_look_up=not req.trace,  # forwarded in: the entry node already looked
+            may_look_up=entry,  # forwarded in: the entry node already looked
             trust=trust,
             subnets=self._subnets,
             # decided where the request enters, before routing (a forwarding hop must not
             # refuse what its sender may still serve): the largest context known, ours or
             # a peer's from its PONGs; peers too small for the prompt are not candidates
-            context_tokens=_largest_context(own_ctx, peers) if not req.trace else None,
+            context_tokens=_largest_context(own_ctx, peers) if entry else None,
         )
 
     async def _look_up(self, homes: tuple[bytes, ...], ns: bytes, chain: list[bytes]
@@ -611,6 +623,28 @@ class InferService:
         """A counter that exists only once it is used (partitioned mode's counters must
         not appear in a full-replication node's stats)."""
         self.stats[key] = self.stats.get(key, 0) + 1
+
+    async def _relay_to_model(self, req: wire.Request, relay: Relay, t_recv: float) -> None:
+        """A request for another model than ours: never matched or served here (our caches
+        and tokenizer are our model's); passed on as it is to up peers that announced
+        that model (heartbeat PONGs), least loaded first, which plan it among themselves."""
+        visited = set(req.visited) | {self.me}
+        ranked = sorted(
+            ((h.queue_depth + h.active, h.rtt_s if h.rtt_s is not None else 1.0,
+              self._rng.random(), p)
+             for p, h in self.heartbeat.health.items()
+             if h.up and p not in visited and getattr(h, "model", b"") == req.model))
+        if not ranked or req.hop_budget <= 0:
+            self._count("unknown_model" if not ranked else "model_relay_no_budget")
+            await self._finish_error(
+                relay, "unknown_model" if not ranked else "no_route",
+                f"no node this node knows serves model {req.model.hex()} (GET /v1/models "
+                "or `prefixmesh peers` lists the models of the mesh)" if not ranked
+                else "no hop left to reach a node of the requested model")
+            return
+        self._count("model_relayed")
+        hop = wire.Hop(peer=self.me, action="serve", reason="model relay: not this node's model")
+        await self.routes.run(req, relay, t_recv, [p for *_, p in ranked[:4]], None, hop)
 
     async def _relay_only(self, req: wire.Request, relay: Relay, t_recv: float) -> None:
         """A namespace this node is not configured for: pass it to a peer that holds it.

@@ -1,0 +1,99 @@
+"""Many models in one mesh, in process (real libp2p on loopback, simulated engines of two
+model fingerprints): announcements, the catalog, model relays, no cross-model routing.
+The real-model version is tests/swarm/test_two_models.py."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from prefixmesh.inference.backend import SimulatedBackend
+from prefixmesh.node.client import Client, RequestFailed
+from prefixmesh.node.config import load_config
+from prefixmesh.node.daemon import Node, NodeOptions
+from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.discovery import mesh_key, providers_key
+
+FP_A, FP_B = b"A" * 16, b"B" * 16
+SYSTEM = "a shared system prompt about lighthouses and the ships they guide home. " * 8
+
+
+async def _start(nursery, tmp_path, fps):
+    nodes = []
+    for i, fp in enumerate(fps):
+        overrides = {
+            "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
+            "node.key_file": str(tmp_path / f"n{i}.key"),
+            # every earlier node: nodes of one model find each other through the DHT's
+            # model key in a real mesh (off here), not through a node of another model
+            "node.bootstrap": [n.full_addrs()[0] for n in nodes] or None,
+            "digest.interval_s": 0.3,
+        }
+        node = Node(load_config(None, overrides),
+                    NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
+                                heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                    identity=Identity.generate(),
+                    backend=SimulatedBackend(prefill_tps=400.0, model_fingerprint=fp))
+        await nursery.start(node.run)
+        nodes.append(node)
+    return nodes
+
+
+async def _wait(predicate, timeout=15.0):
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+def test_mesh_key_is_shared_and_distinct_from_model_keys():
+    assert mesh_key() == mesh_key()
+    assert mesh_key() not in (providers_key(FP_A), providers_key(FP_B))
+
+
+def test_two_models_one_mesh(tmp_path):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b1, b2 = await _start(nursery, tmp_path, [FP_A, FP_B, FP_B])
+            await _wait(lambda: {e.fingerprint: e.nodes for e in a.models()}
+                        == {FP_A: 1, FP_B: 2})
+            await _wait(lambda: len(b1.heartbeat.up_peers()) == 2
+                        and len(b2.heartbeat.up_peers()) == 2)
+            entries = a.models()
+            assert entries[0].local and entries[0].fingerprint == FP_A
+            # the digest exchange runs only among nodes of one model
+            assert a._model_peers() == []
+            assert set(b1._model_peers()) == {b2.identity.peer_id}
+            async with Client.connect(a.full_addrs()[0]) as ca:
+                reply = await ca.peers()
+                assert {m.fingerprint: m.nodes for m in reply.models} == {FP_A: 1, FP_B: 2}
+                assert {p.model for p in reply.peers} == {FP_B}
+                # model B's name and its fingerprint both name it
+                name_b = next(m.name for m in reply.models if m.fingerprint == FP_B)
+                assert await ca.resolve_model(name_b) == FP_B
+                assert await ca.resolve_model(FP_B.hex()) == FP_B
+                prompt = [("system", SYSTEM), ("user", "where is the light?")]
+                first = await ca.ask(prompt, model=name_b, max_tokens=3)
+                assert first.final.serving in (b1.identity.peer_id, b2.identity.peer_id)
+                assert first.final.hops[0].peer == a.identity.peer_id
+                assert first.final.hops[0].action == "forward"
+                assert a.infer.stats["model_relayed"] == 1
+                assert a.infer.stats["served_local"] == 0
+                second = await ca.ask(prompt, model=name_b, max_tokens=3)
+                assert second.final.serving in (b1.identity.peer_id, b2.identity.peer_id)
+                assert second.final.cached_tokens > 0
+                # model A's own requests stay on A: B nodes are no candidates for them
+                own = await ca.ask(prompt, max_tokens=3)
+                assert own.final.serving == a.identity.peer_id
+                with pytest.raises(RequestFailed) as err:
+                    await ca.ask(prompt, model="c" * 32, max_tokens=3)
+                assert err.value.code == "unknown_model"
+            async with Client.connect(b1.full_addrs()[0]) as cb:
+                # B's nodes never send a model-B request to the model-A node
+                for i in range(4):
+                    ans = await cb.ask([("user", f"question {i}")], max_tokens=2)
+                    assert ans.final.serving != a.identity.peer_id
+            assert a.backend.load_figures().active == 0
+            for n in (a, b1, b2):
+                await n.shutdown(grace_s=0.2)
+
+    trio.run(main)
