@@ -330,7 +330,9 @@ def reachability_report(node) -> dict:
         failure = "no relay reservation (relay client not running)"
     direct = int(punch.direct_peers()) if punch is not None else 0
     return {
-        "line": rb.status_line(r, reserved_relays=reserved, tried_relays=tried,
+        # relays by their peer id's last 8 characters, as the keeper's log lines name them
+        "line": rb.status_line(r, reserved_relays=[x[-8:] for x in reserved],
+                               tried_relays=[x[-8:] for x in tried],
                                relay_failure=failure, punched_peers=direct),
         "kind": r.kind,
         "nat": r.nat,
