@@ -351,7 +351,7 @@ def _color(stream: TextIO) -> bool:
         return False
 
 
-def run_chat(cfg: Any, *, verbose: int = 0) -> int:
+def run_chat(cfg: Any, *, verbose: int = 0, model: str | None = None) -> int:
     """``prefixmesh chat``: the interactive chat against the configured node."""
     from .client import open_client_for_cli  # noqa: PLC0415 - heavy (libp2p)
 
@@ -362,14 +362,15 @@ def run_chat(cfg: Any, *, verbose: int = 0) -> int:
                 out.write(f"{FAINT}connected to {short_peer(client.peer_b58)} "
                           f"(tenant {cfg.client.tenant}); /help for commands{RESET}\n")
             async with StdinTerminal().open() as term:
-                await chat_loop(client.chat_send(cfg.client.max_tokens), term, out,
+                await chat_loop(client.chat_send(cfg.client.max_tokens, model=model), term, out,
                                 color=_color(out), on_error=client.describe_error)
 
     trio.run(main)
     return 0
 
 
-def run_ask(cfg: Any, prompt: str, *, as_json: bool = False, system: str | None = None) -> int:
+def run_ask(cfg: Any, prompt: str, *, as_json: bool = False, system: str | None = None,
+            model: str | None = None) -> int:
     """``prefixmesh ask``: one prompt, answer streamed to stdout (or one JSON object)."""
     from .client import open_client_for_cli  # noqa: PLC0415
 
@@ -379,7 +380,7 @@ def run_ask(cfg: Any, prompt: str, *, as_json: bool = False, system: str | None 
         async with open_client_for_cli(cfg) as client:
             pieces: list[str] = []
             stats: TurnStats | None = None
-            send = client.chat_send(cfg.client.max_tokens)
+            send = client.chat_send(cfg.client.max_tokens, model=model)
             messages = [{"role": "system", "content": system}] if system else []
             messages.append({"role": "user", "content": prompt})
             async for item in send(messages):
@@ -426,17 +427,32 @@ def run_peers(cfg: Any, *, as_json: bool = False) -> int:
     return 0
 
 
+def _model_label(peer: dict[str, Any], models: Sequence[dict[str, Any]]) -> str:
+    """A peer's model by name when the catalog lists it, else its fingerprint's start."""
+    fp = peer.get("model", "")
+    if not fp:
+        return "-"
+    name = next((m.get("name") for m in models if m.get("fingerprint") == fp), None)
+    return name or str(fp)[:16]
+
+
 def format_peers(report: dict[str, Any]) -> str:
     """A table of a peers report (``{"self": ..., "addrs": [...], "peers": [...]}``)."""
     lines = [f"node {report.get('self', '?')}"]
     for a in report.get("addrs", []):
         lines.append(f"  {a}")
+    models = report.get("models", [])
+    if models:
+        lines.append("models (nodes serving each now):")
+        for m in models:
+            lines.append(f"  {m.get('name', '?'):<40} {str(m.get('fingerprint', ''))[:16]} "
+                         f"{m.get('nodes', 0):>3} node(s){'  (this node)' if m.get('local') else ''}")
     peers: Sequence[dict[str, Any]] = report.get("peers", [])
     if not peers:
         lines.append("no peers")
         return "\n".join(lines)
     lines.append(f"{'peer':<18} {'conn':<4} {'up':<3} {'rtt ms':>7} {'queue':>5} "
-                 f"{'active':>6} {'blocks':>7} {'digest age':>10}")
+                 f"{'active':>6} {'blocks':>7} {'digest age':>10} {'model':<16}")
     for p in peers:
         rtt = p.get("rtt_ms", -1)
         age = p.get("digest_age_s", -1)
@@ -444,6 +460,6 @@ def format_peers(report: dict[str, Any]) -> str:
             f"{short_peer(p.get('peer', '?')):<18} {'yes' if p.get('connected') else 'no':<4} "
             f"{'up' if p.get('up') else 'no':<3} {(f'{rtt:.1f}' if rtt >= 0 else '-'):>7} "
             f"{p.get('queue_depth', 0):>5} {p.get('active', 0):>6} {p.get('n_hashes', 0):>7} "
-            f"{(f'{age:.1f} s' if age >= 0 else '-'):>10}"
+            f"{(f'{age:.1f} s' if age >= 0 else '-'):>10} {_model_label(p, models):<16}"
         )
     return "\n".join(lines)

@@ -68,6 +68,10 @@ def _self(node, metrics, now: float) -> dict[str, Any]:
         "peer_id": node.identity.peer_id_b58,
         "addrs": list(node.full_addrs()) if hasattr(node, "full_addrs") else [],
         "model": bytes(getattr(node, "model_fp", b"")).hex()[:16],
+        "model_name": getattr(node, "model_name", ""),
+        # the mesh's models now (core/models.catalog): name, fingerprint, nodes serving it
+        "models": [{"name": m.name, "fingerprint": m.fp_hex, "nodes": m.nodes, "local": m.local}
+                   for m in (node.models() if hasattr(node, "models") else ())],
         "policy": getattr(getattr(node, "policy", None), "name", ""),
     }
     if metrics is not None:
@@ -126,6 +130,8 @@ def _peers(node, now: float) -> list[dict[str, Any]]:
             "kv_used_bytes": est.kv_used_bytes if est else None,
             "digest_age_s": _num(max(0.0, now - heard), 1) if heard else None,
             "trust": _num(trust.trust(peer, mono)) if trust is not None else None,
+            "model": (getattr(h, "model_name", "") or getattr(h, "model", b"").hex()[:16]
+                      or None) if h else None,
         }
         rows.append(row)
     return rows
@@ -223,6 +229,10 @@ def render_text(ov: dict[str, Any], *, width: int = 100, height: int = 40) -> st
     me = ov.get("node", {})
     lines = [f"node {me.get('peer_id', '?')}  model {me.get('model', '?')}  "
              f"policy {me.get('policy', '?')}  up {me.get('uptime_s', 0):.0f} s"]
+    if me.get("models"):
+        lines.append("models: " + ", ".join(
+            f"{m.get('name', '?')} ({m.get('nodes', 0)} node{'s' if m.get('nodes') != 1 else ''}"
+            f"{', here' if m.get('local') else ''})" for m in me["models"][:8]))
     reach = me.get("reachability") or {}
     if reach:
         lines.append(f"reachability: {reach.get('line', '?')}"

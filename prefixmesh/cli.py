@@ -146,7 +146,7 @@ def _client_config(args: argparse.Namespace) -> Any:
 def _cmd_chat(args: argparse.Namespace) -> int:
     cfg = _client_config(args)
     run_chat = _component("prefixmesh.node.chat_cli", "run_chat", "the chat client")
-    return int(run_chat(cfg) or 0)
+    return int(run_chat(cfg, model=args.model) or 0)
 
 
 def _cmd_ask(args: argparse.Namespace) -> int:
@@ -157,7 +157,8 @@ def _cmd_ask(args: argparse.Namespace) -> int:
         raise CliError("the prompt is empty", EXIT_USAGE)
     cfg = _client_config(args)
     run_ask = _component("prefixmesh.node.chat_cli", "run_ask", "the client")
-    return int(run_ask(cfg, prompt, as_json=args.json, system=args.system) or 0)
+    return int(run_ask(cfg, prompt, as_json=args.json, system=args.system,
+                       model=args.model) or 0)
 
 
 def _cmd_peers(args: argparse.Namespace) -> int:
@@ -298,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", metavar="SECONDS",
                        help="give up on an answer after this long [client.timeout_s; "
                        "default 60]")
+        p.add_argument("--model", metavar="NAME",
+                       help="the model to ask: a name or fingerprint `prefixmesh peers` "
+                       "lists (default: the node's own model)")
 
     p = sub.add_parser("chat", parents=[verbose], help="interactive chat through a node",
                        description="Interactive multi-turn chat as a light client. Slash "
