@@ -100,6 +100,7 @@ from prefixmesh.overlay.relay import (
     ReservationKeeper,
     known_public_peers,
 )
+from prefixmesh.overlay.upnp import PortMapper
 
 from .http_gateway import serve_node_http
 from .locks import LockError, lock_cache_dir, lock_key_file
@@ -284,6 +285,9 @@ class Node:
             on_keeper_stop=self._republish_addrs)
         self.holepunch = HolePunchService(self.host, self.reachability,
                                           enabled=config.nat.hole_punching)
+        # opt-in port mapping at the home router; its address is advertised once mapped
+        self.upnp = PortMapper(self.host, enabled=config.nat.upnp,
+                               on_change=lambda: self._republish_addrs())
         rc = config.routing
         self.policy = make_policy(
             rc.policy,
@@ -354,7 +358,7 @@ class Node:
 
     def advertised_addrs(self) -> list[str]:
         adv = [a.split("/p2p/")[0] for a in self.config.node.advertise]
-        return adv or self.host.listen_addrs()
+        return adv or [*self.upnp.external_addrs, *self.host.listen_addrs()]
 
     def full_addrs(self) -> list[str]:
         return [f"{a}/p2p/{self.identity.peer_id_b58}" for a in self.advertised_addrs()]
@@ -516,6 +520,7 @@ class Node:
             await nursery.start(self.reachability.run)
             await nursery.start(self.nat.run)
             await nursery.start(self.holepunch.run)
+            await nursery.start(self.upnp.run)
             if opts.dht:
                 from prefixmesh.overlay.discovery import DhtDiscovery
 
