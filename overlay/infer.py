@@ -573,6 +573,8 @@ class InferService:
                 load=float(h.queue_depth + h.active) if h is not None and h.pongs else None,
                 addrs=tuple(self.host.remote_addrs(peer)) if self._subnets is not None else (),
                 context_tokens=h.n_ctx or None if h is not None else None,
+                # through a relay (issue 16): the planner charges the relay's extra RTT
+                relayed=getattr(self.host, "link_kind", lambda p: None)(peer) == "relayed",
             )
         if self.share_limiter is not None:
             kept = set(self.share_limiter.filter(sorted(peers), now, key=lambda p: p))

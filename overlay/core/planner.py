@@ -65,6 +65,8 @@ from .routing import (
 
 __all__ = [
     "DEFAULT_RTT_S",
+    "RELAY_EXTRA_RTT_S",
+    "link_cost_s",
     "FrozenPeers",
     "LOCAL",
     "LOOKUP_HOMES",
@@ -94,6 +96,13 @@ LOOKUP_HOMES = 2
 # that the cost model is not flooded with peers that save nothing.
 MAX_SHED_CANDIDATES = 2
 DEFAULT_RTT_S = 0.005  # a peer whose RTT was never measured: a LAN hop
+# A relayed link (a /p2p-circuit connection through a relay, issue 16) costs the relay's
+# extra round trip on top of the link's RTT: +5..40 ms per 1 KB round trip in the NAT lab
+# (docs/bench/nat.md), the middle of that. An RTT measured over the relay includes it
+# once already; charging it again is deliberate: of two links with the same RTT the
+# direct one is preferred, since a relay's capacity is shared and its circuits are capped
+# (bytes and duration per circuit). All-direct inputs are unchanged.
+RELAY_EXTRA_RTT_S = 0.02
 # Policies that never read cached matches: a lookup would only delay their requests.
 CACHE_BLIND_POLICIES = frozenset({"local", "round-robin", "random", "consistent-hash"})
 MAX_CARRIED_HOLDERS = 256  # == wire.MAX_CARRIED_HOLDERS (the codec enforces it)
@@ -213,6 +222,14 @@ class PeerLink:
     load: float | None = None  # queued + running from a fresh PONG; None: use the digest's
     addrs: tuple[str, ...] = ()  # addresses of our live connection (the subnet cap)
     context_tokens: int | None = None  # the peer's context length (its PONG); None: not said
+    relayed: bool = False  # our connection goes through a relay (RELAY_EXTRA_RTT_S)
+
+
+def link_cost_s(link: PeerLink) -> float:
+    """The round-trip cost the planner charges for a link: its RTT (DEFAULT_RTT_S when
+    never measured), plus RELAY_EXTRA_RTT_S when it goes through a relay."""
+    rtt = link.rtt_s if link.rtt_s is not None else DEFAULT_RTT_S
+    return rtt + RELAY_EXTRA_RTT_S if link.relayed else rtt
 
 
 class FrozenPeers(dict):
@@ -423,11 +440,9 @@ class Planner:
         if not live:
             counters.append("partition_no_live_home")
             return {}, None, None
-        rtt = inp.peers[live[0]].rtt_s
         # what a hit elsewhere could save at most: prefilling what we do not hold
         unmatched = inp.prompt_tokens - min(inp.local_matched_tokens, inp.prompt_tokens)
-        if not lookup_pays(unmatched, inp.local_prefill_tps,
-                           rtt if rtt is not None else DEFAULT_RTT_S):
+        if not lookup_pays(unmatched, inp.local_prefill_tps, link_cost_s(inp.peers[live[0]])):
             counters.append("partition_lookups_skipped")
             return {}, None, None
         homes = tuple(live[:LOOKUP_HOMES])
@@ -456,14 +471,13 @@ class Planner:
     def _candidate(self, inp: PlanInput, peer: bytes, blocks: int,
                    known: tuple[float, LoadFigures | None]) -> Candidate:
         load, figures = known
-        rtt = inp.peers[peer].rtt_s
         return Candidate(
             peer=peer,
             matched_tokens=min(blocks * BLOCK_TOKENS, inp.prompt_tokens),
             prefill_tps=max(figures.prefill_tps, 0.0) if figures is not None else 0.0,
             queue_wait_s=load * inp.avg_request_s,
             load=load,
-            rtt_s=rtt if rtt is not None else DEFAULT_RTT_S,
+            rtt_s=link_cost_s(inp.peers[peer]),
             trust=min(1.0, max(0.0, inp.trust.get(peer, 1.0))),
         )
 
