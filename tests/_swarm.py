@@ -128,13 +128,19 @@ class NodeProc:
         self.proc: subprocess.Popen | None = None
         self.addrs: list[str] = []
         self._stdout_lines: list[str] = []
+        self._log = None
+        self._ready = threading.Event()
 
-    def start(self) -> NodeProc:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    def launch(self, env: dict[str, str] | None = None) -> NodeProc:
+        """Start the process and return at once (:meth:`wait_ready` waits for it);
+        ``env``: extra environment variables for this node only."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        if self._log is not None:
+            self._log.close()  # a restart's earlier process
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                      text=True)
-        ready = threading.Event()
+        self._ready = threading.Event()
 
         def read() -> None:
             for line in self.proc.stdout:
@@ -143,14 +149,28 @@ class NodeProc:
                 if line.startswith("/ip"):
                     self.addrs.append(line)
                 if line == "ready":
-                    ready.set()
-            ready.set()
+                    self._ready.set()
+            self._ready.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(START_TIMEOUT_S) or not self.addrs:
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> NodeProc:
+        """Wait until the launched node printed its addresses and ``ready``."""
+        if not self._ready.wait(timeout_s) or not self.addrs:
             self.kill()
             raise RuntimeError(f"node {self.name} did not start; log:\n{self.log_tail()}")
         return self
+
+    def start(self, env: dict[str, str] | None = None) -> NodeProc:
+        return self.launch(env).wait_ready()
+
+    def restart(self, timeout_s: float = START_TIMEOUT_S) -> NodeProc:
+        """Kill the process (if running) and start it again with the same config, key and
+        cache dir: the same peer id, a new incarnation (new port unless one was fixed)."""
+        self.kill()
+        self.addrs = []
+        return self.launch().wait_ready(timeout_s)
 
     @property
     def addr(self) -> str:
@@ -197,10 +217,33 @@ class Swarm:
         self.root = root
         self.nodes: list[NodeProc] = []
 
-    def add(self, name: str, **kwargs) -> NodeProc:
+    def add(self, name: str, *, env: dict[str, str] | None = None, **kwargs) -> NodeProc:
         node = NodeProc(self.root, name, **kwargs)
         self.nodes.append(node)
-        return node.start()
+        return node.start(env)
+
+    def add_many(self, specs, **common) -> list[NodeProc]:
+        """Start several nodes together and wait until all are ready (node starts are
+        mostly imports and model loading: in parallel they overlap on the cores).
+        ``specs``: names, or ``(name, kwargs)`` pairs whose kwargs (``NodeProc``'s, plus
+        ``env``) go over ``common``. Returns the nodes in ``specs`` order."""
+        started: list[NodeProc] = []
+        try:
+            for spec in specs:
+                name, own = (spec, {}) if isinstance(spec, str) else spec
+                kwargs = {**common, **own}
+                env = kwargs.pop("env", None)
+                node = NodeProc(self.root, name, **kwargs)
+                self.nodes.append(node)
+                started.append(node.launch(env))
+            deadline = time.monotonic() + START_TIMEOUT_S
+            for node in started:
+                node.wait_ready(max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            for node in started:
+                node.kill()
+            raise
+        return started
 
     def __enter__(self) -> Swarm:
         return self
