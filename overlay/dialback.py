@@ -158,6 +158,9 @@ class DialbackServer:
             self._answering -= 1
 
     async def _dial_back(self, peer: bytes, addr: str, out: dict[str, rb.DialResult]) -> None:
+        # a second connection to the peer: py-libp2p (max_connections_per_peer=1) trims the
+        # one with fewer streams, which is this fresh one, never the one carrying the
+        # request (tests/overlay/test_dialback.py checks it with no grace period)
         network = self.host.libp2p.get_network()
         why = "timeout"
         ok = False

@@ -50,6 +50,10 @@ def test_dialback_between_real_hosts():
         a, b, c = _host("127.0.0.1"), _host("127.0.0.2"), _host("127.0.0.3")
         impostor = _host("127.0.0.1")
         async with a.run(), b.run(), c.run(), impostor.run():
+            for h in (a, b, c):
+                # as for connections older than the grace period (every real one): a second
+                # connection to a peer makes py-libp2p trim one (max_connections_per_peer=1)
+                h.libp2p.get_network().connection_config.grace_period = 0.0
             servers = {h.peer_id: DialbackServer(h) for h in (b, c)}
             for h in (b, c):
                 h.set_handler(rb.PROTOCOL, servers[h.peer_id].handle)
