@@ -161,9 +161,12 @@ class Client:
         """The fingerprint of the model ``query`` names (a name, ``prefixmesh``, a
         fingerprint or a unique hex prefix) among the mesh's models as the node sees them
         now; a full fingerprint not listed is passed on as it is (the node decides).
-        Raises :class:`ModelNotFound` naming the models there are."""
-        await self.peers()
-        entry = resolve(query, self.models)
+        Raises :class:`ModelNotFound` naming the models there are. The catalog of an
+        earlier reply is used when it names the model (a chat asks once, not every turn)."""
+        entry = resolve(query, self.models) if self.models else None
+        if entry is None:
+            await self.peers()
+            entry = resolve(query, self.models)
         if entry is not None:
             return entry.fingerprint
         q = query.strip().lower()

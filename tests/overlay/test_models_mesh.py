@@ -18,19 +18,20 @@ FP_A, FP_B = b"A" * 16, b"B" * 16
 SYSTEM = "a shared system prompt about lighthouses and the ships they guide home. " * 8
 
 
-async def _start(nursery, tmp_path, fps):
+async def _start(nursery, tmp_path, fps, *, bootstrap=None, dht=False):
     nodes = []
     for i, fp in enumerate(fps):
+        # default: every earlier node (nodes of one model find each other through the
+        # DHT's model key in a real mesh, not through a node of another model)
+        boot = nodes if bootstrap is None else [nodes[j] for j in bootstrap[i]]
         overrides = {
             "node.cache_dir": str(tmp_path / f"n{i}"), "node.mdns": False,
             "node.key_file": str(tmp_path / f"n{i}.key"),
-            # every earlier node: nodes of one model find each other through the DHT's
-            # model key in a real mesh (off here), not through a node of another model
-            "node.bootstrap": [n.full_addrs()[0] for n in nodes] or None,
+            "node.bootstrap": [n.full_addrs()[0] for n in boot] or None,
             "digest.interval_s": 0.3,
         }
         node = Node(load_config(None, overrides),
-                    NodeOptions(backend="sim", dht=False, print_addrs=False, seed=i,
+                    NodeOptions(backend="sim", dht=dht, print_addrs=False, seed=i,
                                 heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
                     identity=Identity.generate(),
                     backend=SimulatedBackend(prefill_tps=400.0, model_fingerprint=fp))
@@ -93,6 +94,23 @@ def test_two_models_one_mesh(tmp_path):
                     ans = await cb.ask([("user", f"question {i}")], max_tokens=2)
                     assert ans.final.serving != a.identity.peer_id
             assert a.backend.load_figures().active == 0
+            for n in (a, b1, b2):
+                await n.shutdown(grace_s=0.2)
+
+    trio.run(main)
+
+
+def test_the_dht_mesh_key_finds_nodes_of_other_models(tmp_path):
+    """A (model A) is bootstrapped to nobody and only B1 dials it; B2 knows only B1. A
+    hears of B2 through nothing but the DHT's mesh-wide key (its own model's key lists
+    no B node, and B nodes exchange digests only among themselves)."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b1, b2 = await _start(nursery, tmp_path, [FP_A, FP_B, FP_B],
+                                     bootstrap=[[], [0], [1]], dht=True)
+            await _wait(lambda: {e.fingerprint: e.nodes for e in a.models()}
+                        == {FP_A: 1, FP_B: 2}, timeout=45.0)
+            assert "dht" in a.directory.sources_of(b2.identity.peer_id)
             for n in (a, b1, b2):
                 await n.shutdown(grace_s=0.2)
 
