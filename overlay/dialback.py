@@ -50,6 +50,8 @@ _MAX_REMEMBERED = 4096
 _ANSWER_WAIT_S = rb.DIALBACK_TIMEOUT_S + 4.0
 #: how often the service looks for address changes between timed checks
 _POLL_S = 5.0
+#: the same while there is no verdict yet (peers to ask may connect any moment)
+_POLL_UNKNOWN_S = 1.0
 
 
 def local_port(stream) -> int | None:
@@ -250,6 +252,20 @@ class ReachabilityService:
     def _own_ips(self) -> list[str]:
         return [ip for ip in (rb.addr_ip(a) for a in self.host.transport_addrs()) if ip]
 
+    def _candidates(self, now: float) -> list[tuple[bytes, str]]:
+        """(peer, IP) of directly connected up peers we may ask now (not in the last
+        :data:`~.core.reachability.ANSWER_INTERVAL_S`: they would refuse)."""
+        return [(p, ip) for p in self.peers()
+                if now - self._asked_at.get(p, -1e18) >= rb.ANSWER_INTERVAL_S
+                for ip in direct_remote_ips(self.host, p)]
+
+    def _worth_asking_now(self) -> bool:
+        """Without a verdict, a newly connected peer is asked at once (the first verdict
+        comes as soon as there are peers, not at the next timed retry)."""
+        if self.reachability.kind != "unknown":
+            return False
+        return bool(rb.choose_askers(self._candidates(self.clock()), self._own_ips()))
+
     async def check_once(self) -> rb.Reachability:
         """Ask the peers due a question and recompute the verdict (bounded: each ask is
         under the host's stream timeout and :data:`_ANSWER_WAIT_S`)."""
@@ -262,9 +278,7 @@ class ReachabilityService:
         for p, (t, _) in list(self._observations.items()):
             if now - t > rb.RECHECK_INTERVAL_S:
                 del self._observations[p]
-        candidates = [(p, ip) for p in self.peers()
-                      if now - self._asked_at.get(p, -1e18) >= rb.ANSWER_INTERVAL_S
-                      for ip in direct_remote_ips(self.host, p)]
+        candidates = self._candidates(now)
         seen_ip = self.reachability.seen_ip
         for peer in rb.choose_askers(candidates, self._own_ips()):
             self._asked_at[peer] = self.clock()
@@ -298,9 +312,11 @@ class ReachabilityService:
                  rb.PEERS_TO_ASK, rb.PROTOCOL)
         task_status.started()
         while True:
-            if self.schedule.due(self.clock(), sorted(self._base_addrs())):
+            if self.schedule.due(self.clock(), sorted(self._base_addrs())) \
+                    or self._worth_asking_now():
                 await self.check_once()
-            await trio.sleep(max(0.5, min(_POLL_S, self.schedule.next_in(self.clock()))))
+            poll = _POLL_UNKNOWN_S if self.reachability.kind == "unknown" else _POLL_S
+            await trio.sleep(max(0.5, min(poll, self.schedule.next_in(self.clock()))))
 
 
 def _relay_keeper(node):

@@ -64,7 +64,7 @@ class _CountingDCUtR(DCUtRProtocol):
             self._owner.punched.add(peer_id)
             log.info("hole punch to %s: direct connection", str(peer_id)[-12:])
         else:
-            log.debug("hole punch to %s failed; staying relayed", str(peer_id)[-12:])
+            log.info("hole punch to %s failed; staying relayed", str(peer_id)[-12:])
         return ok
 
 
