@@ -1,7 +1,8 @@
 """The examples in examples/ run, so they never rot.
 
-- ``three_node_swarm.sh --fast``: three real nodes (default model) on 127.0.0.1, three
-  questions through three entry nodes, everything stopped at exit, also on SIGTERM;
+- ``three_node_swarm.sh --fast --chat``: three real nodes (default model) on 127.0.0.1,
+  three questions through three entry nodes, a chat on a terminal, everything stopped at
+  exit, also on SIGTERM;
 - ``client_api.py`` against a real node;
 - ``volunteer-node.toml`` and ``tenants.toml`` load through ``load_config``.
 """
@@ -64,13 +65,10 @@ def _work_dir(output: str) -> Path:
 # --- the shell example ----------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_three_node_swarm_script_fast():
-    proc = subprocess.run([str(EXAMPLES / "three_node_swarm.sh"), "--fast"],
-                          capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S,
-                          env=_script_env(), stdin=subprocess.DEVNULL)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+def _check_three_questions(out: str) -> list[int]:
+    """The script's run up to its chat: three nodes that see each other, three questions
+    through three entry nodes, the later ones reusing the shared system prompt's cache.
+    Returns the nodes' pids."""
     pids = _pids(out)
     assert len(pids) == 3, out
     assert "all three nodes see each other" in out
@@ -82,10 +80,7 @@ def test_three_node_swarm_script_fast():
     assert int(rows[0][3]) == 0, out  # nobody holds the system prompt yet
     # the point of the example: later questions reuse the shared system prompt's cache
     assert all(int(r[3]) > 0 for r in rows[1:]), out
-    # clean shutdown: every node gone, the temporary folder removed
-    assert out.rstrip().endswith("swarm stopped")
-    assert not any(_alive(p) for p in pids), pids
-    assert not _work_dir(out).exists()
+    return pids
 
 
 @pytest.mark.slow
@@ -120,7 +115,9 @@ def test_three_node_swarm_script_stops_its_nodes_when_interrupted():
 
 
 @pytest.mark.slow
-def test_three_node_swarm_script_chat_on_a_terminal():
+def test_three_node_swarm_script_fast_then_chat_on_a_terminal():
+    """``--fast --chat``: the whole ``--fast`` run (three questions), then the chat on a
+    terminal; one run of the script checks both (each starts three real nodes)."""
     term = Terminal([str(EXAMPLES / "three_node_swarm.sh"), "--fast", "--chat"],
                     _script_env(), wait_s=120.0, exit_s=60.0)
     try:
@@ -143,11 +140,12 @@ def test_three_node_swarm_script_chat_on_a_terminal():
             os.kill(term.pid, signal.SIGKILL)
             os.waitpid(term.pid, 0)
         os.close(term.fd)
-    text = term.out.decode(errors="replace")
+    text = term.out.decode(errors="replace").replace("\r\n", "\n")
     assert code == 0, text[-3000:]
-    assert "swarm stopped" in text
-    pids = _pids(text.replace("\r\n", "\n"))
-    assert len(pids) == 3 and not any(_alive(p) for p in pids), pids
+    pids = _check_three_questions(text)
+    # clean shutdown: every node gone, the temporary folder removed
+    assert text.rstrip().endswith("swarm stopped"), text[-3000:]
+    assert not any(_alive(p) for p in pids), pids
     assert not _work_dir(text).exists()
 
 
