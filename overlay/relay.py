@@ -304,7 +304,7 @@ class ReservationKeeper:
         if changed:
             self.on_change()
             self._said_unreachable = False
-        elif not self.held and picks and not self._said_unreachable:
+        elif not self.held and not self._said_unreachable:
             self._said_unreachable = True
             log.warning("not reachable from outside our NAT: no relay accepted a reservation "
                         "(tried %s; %s); we keep asking and serve as an entry node meanwhile",
