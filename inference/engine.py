@@ -8,8 +8,8 @@ Serve path of a request (prompt token ids P, namespace ns):
    ``llama_state_seq_set_data`` (a whole prefix, then each segment through scratch
    sequence 1, joined with ``llama_memory_seq_cp``) and, when the saved entry is longer
    than the match, cut it back with ``llama_memory_seq_rm``;
-3. evaluate only the rest of the body (in chunks of 2..n_batch tokens), then the last
-   prompt token on its own;
+3. evaluate only the rest of the prompt, its last token included (in chunks of 2..n_batch
+   tokens: one pass over the weights for a short new suffix);
 4. sample (greedy, or seeded temperature/top-k/top-p in numpy: deterministic for a given
    seed and logits) and stream token pieces until EOS/EOG, ``max_tokens`` or cancellation;
    a request with a grammar (``SamplingParams.grammar``, llama.cpp GBNF) samples only
@@ -31,11 +31,15 @@ Bit-identical results. Greedy output through any restore path equals a cold run 
 same engine. Restoring copies the exact KV cells; what needs care is that the CPU kernels
 give slightly different results for a batch of ONE token (vector dot-product path) than
 for the same token inside a larger batch (GEMM path), and the difference shows up a few
-generated tokens later. Hence the batch discipline: a prompt is always evaluated as body
-(chunks of >= 2 tokens) + last token alone; snapshots hold body prefixes only (a snapshot
-never contains a token computed alone); a restore that would leave exactly one body token
-to evaluate restores one token less. ``use_extra_bufts`` is also turned off at load so that
-repacked-weight kernels (Q4_0/Q4_K/IQ4_NL) cannot make results depend on the batch split.
+generated tokens later. Hence the batch discipline: a prompt, its last token included, is
+always evaluated in chunks of >= 2 tokens; a restore or a live prefix leaves at least the
+last 2 prompt tokens to evaluate (an exact repeat of a stored prompt restores all but 2);
+snapshots hold body prefixes only (all prompt tokens but the last), and generated tokens,
+computed alone, are never part of one. (Until issue 17 the last prompt token was evaluated
+alone: a second pass over the weights on every request, ~15 % of a warm TTFT; greedy
+outputs of this discipline differ from that one's, stored states are the same.)
+``use_extra_bufts`` is also turned off at load so that repacked-weight kernels
+(Q4_0/Q4_K/IQ4_NL) cannot make results depend on the batch split.
 
 Snapshot policy (``EngineConfig.snapshot_policy``):
 - ``"end"`` (default): one snapshot of the prompt body. Any prefix of it is served from
@@ -135,6 +139,15 @@ KV_TYPES = {"f16": 1, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
 # Sequence 0 serves requests; sequence 1 is scratch for moving segment states in and out
 # (a unified KV cache, so llama_memory_seq_cp between them only relabels cells).
 _N_SEQ = 2
+# llama_memory_clear's data flag: False forgets the cells without zeroing the buffers.
+# Zeroing costs ~42 ms at n_ctx 8192 (measured) on every restore and changes no result:
+# cells no sequence holds are masked out of attention (weight exactly 0), as after the
+# llama_memory_seq_rm calls that the live and batched paths have always relied on.
+_ZERO_KV_BUFFERS = False
+# throughput mode: prompt tokens per step while other sequences decode, so that a long new
+# prompt delays their next tokens by ~128 token evaluations per step, not n_batch (on a CPU
+# a step costs about the sum of its tokens: docs/bench/engine.md, section 7)
+_PREFILL_TOKENS_WHILE_DECODING = 128
 BATCH_MODES = ("deterministic", "throughput")
 
 MAX_TOP_LOGPROBS = 20
@@ -416,7 +429,9 @@ class Engine:
         self._n_seq = cfg.max_batch + 1 if self._batched else _N_SEQ
         self._running: set[RequestHandle] = set()
         # throughput mode: llama_decode calls, sequences and tokens over all of them
-        self.batch_counters = {"steps": 0, "sequences": 0, "tokens": 0}
+        # (and the most prompt tokens one step carried next to decoding sequences)
+        self.batch_counters = {"steps": 0, "sequences": 0, "tokens": 0,
+                               "max_prefill_while_decoding": 0}
         try:
             self.model_path = resolve_model(cfg.model_path, progress=False)
             self.gguf = read_gguf_info(self.model_path)
@@ -553,10 +568,12 @@ class Engine:
 
     def cached_tokens(self, ns: Namespace, tokens: Sequence[int]) -> tuple[int, str | None]:
         """How many leading tokens of ``tokens`` a request in ``ns`` would restore, and from
-        which tier (capped at len(tokens) - 1: the last prompt token is always evaluated)."""
-        if len(tokens) < 2:
+        which tier (capped at len(tokens) - 2: the batch discipline evaluates at least the
+        last 2 prompt tokens together)."""
+        if len(tokens) < 3:
             return 0, None
-        return self.store.lookup_length(ns.id, tokens[:-1])
+        n, tier = self.store.lookup_length(ns.id, tokens[:-1])
+        return min(n, len(tokens) - 2), tier
 
     def lease_prefix(self, ns: Namespace, tokens: Sequence[int]) -> Lease | None:
         """Pin the longest cached prefix of ``tokens`` in ``ns`` (thread-safe): it survives
@@ -881,7 +898,7 @@ class Engine:
 
         def wipe():
             if clear:
-                lib.llama_memory_clear(mem, True)
+                lib.llama_memory_clear(mem, _ZERO_KV_BUFFERS)
             else:
                 lib.llama_memory_seq_rm(mem, seq, -1, -1)
                 lib.llama_memory_seq_rm(mem, scratch, -1, -1)
@@ -960,20 +977,23 @@ class Engine:
 
         # Batch discipline (what makes cached runs bit-identical to cold ones): the CPU
         # kernels give slightly different results for a batch of ONE token than for the
-        # same token inside a larger batch. So every request evaluates the prompt as
-        # "body" tokens[:T] (T = P - 1) in chunks of >= 2 tokens, then the last token
-        # alone; snapshots hold body prefixes only; and a restore that would leave a
-        # single body token to evaluate restores one token less.
+        # same token inside a larger batch (and the same results for any batch of >= 2).
+        # So every request evaluates its prompt, the last token included, in chunks of
+        # >= 2 tokens (one pass over the weights for a short new suffix); a restore or a
+        # live prefix leaves at least 2 prompt tokens to evaluate; snapshots hold body
+        # prefixes tokens[:T] (T <= P - 1), so generated tokens (computed alone) are never
+        # part of one. Only a 1-token prompt is evaluated alone, cold and warm alike.
         body_end = n_prompt - 1
+        reuse_limit = max(0, n_prompt - 2)  # most prompt tokens a request does not evaluate
 
         # 1-2: keep what the previous request left live in sequence 0 when it serves at
         # least as much as the store would, else restore the longest cached prefix
-        live = self._live_use(ns_id, tokens, body_end)
+        live = self._live_use(ns_id, tokens, reuse_limit)
         self._live = None  # the context changes from here on
         n_past = 0
-        if body_end >= 1:
+        if reuse_limit >= 1:
             lease = self.store.acquire(ns_id, tokens[:body_end])
-            if live and (lease is None or live >= lease.length):
+            if live and (lease is None or live >= min(lease.length, reuse_limit)):
                 if lease is not None:
                     lease.release()
                     lease = None
@@ -981,12 +1001,10 @@ class Engine:
                     n_past = live
                     stats.hit_tier = "live"
             if n_past == 0:
-                lib.llama_memory_clear(self._mem, True)
+                lib.llama_memory_clear(self._mem, _ZERO_KV_BUFFERS)
             if lease is not None:
                 try:
-                    use = lease.length
-                    if body_end - use == 1:
-                        use -= 1
+                    use = min(lease.length, reuse_limit)
                     t0 = time.perf_counter()
                     if use <= 0 or (use < lease.entry_tokens and not self._can_truncate):
                         pass  # nothing usable: run cold
@@ -1001,11 +1019,13 @@ class Engine:
                     stats.restore_s = time.perf_counter() - t0
                 finally:
                     lease.release()
+        elif n_prompt >= 1:
+            lib.llama_memory_clear(self._mem, _ZERO_KV_BUFFERS)
         stats.cached_tokens = n_past
 
-        # 3: evaluate the rest of the body, stopping at snapshot points, then the last token
-        stops = [body_end] if body_end > n_past else []
-        if self.config.snapshot_policy == "boundaries" and stops:
+        # 3: evaluate the rest of the prompt, stopping at snapshot points
+        stops = [n_prompt]
+        if self.config.snapshot_policy == "boundaries":
             prev = n_past
             inner = []
             for b in sorted(h.boundaries):
@@ -1022,15 +1042,15 @@ class Engine:
             if not self._decode_body(tokens[n_past:stop], n_past, h):
                 break
             n_past = stop
-            if stop >= self.config.min_snapshot_tokens or stop == body_end:
+            if stop == n_prompt:
+                if body_end >= 1:
+                    reached.append(body_end)
+            elif stop >= self.config.min_snapshot_tokens:
                 reached.append(stop)
-        if not h.cancelled:
-            self._decode(tokens[body_end:], body_end)
-            n_past = n_prompt
-            if self.config.live_sequence:
-                # the body's cells were all computed in chunks: the next request may go on
-                # from them (the last prompt token and generated ones were computed alone)
-                self._live = (ns_id, tuple(tokens[:body_end]))
+        if n_past == n_prompt and self.config.live_sequence and n_prompt >= 2:
+            # the prompt's cells were all computed in chunks: the next request may go on
+            # from them (generated tokens were computed alone and are cut off then)
+            self._live = (ns_id, tuple(tokens))
         stats.prefill_s = time.perf_counter() - t0
         stats.prefill_tokens = n_prompt - stats.cached_tokens
         if h.cancelled:
@@ -1122,18 +1142,13 @@ class Engine:
             self._rebase(ns_id, *rebase)
         stats.snapshot_s = time.perf_counter() - t0
 
-    def _live_use(self, ns_id: bytes, tokens: Sequence[int], body_end: int) -> int:
-        """How many body tokens the live sequence serves (0: none), by the batch rules."""
+    def _live_use(self, ns_id: bytes, tokens: Sequence[int], limit: int) -> int:
+        """How many leading prompt tokens the live sequence serves (0: none), at most
+        ``limit`` (the batch rules leave at least 2 prompt tokens to evaluate)."""
         if self._live is None or self._live[0] != ns_id:
             return 0
         held = self._live[1]
-        n = 0
-        for a, b in zip(held, tokens[:body_end], strict=False):
-            if a != b:
-                break
-            n += 1
-        if body_end - n == 1:
-            n -= 1  # never leave a lone body token
+        n = _common_prefix(held, tokens, limit)
         if n < len(held) and not self._can_truncate:
             return 0
         return max(n, 0)
@@ -1151,7 +1166,7 @@ class Engine:
             self.store.rebase(ns_id, tokens, split, self._segment_state(split, len(tokens)))
         finally:
             lease.release()
-            self._lib.llama_memory_clear(self._mem, True)
+            self._lib.llama_memory_clear(self._mem, _ZERO_KV_BUFFERS)
 
 
     # ---------------------------------------------------------------- throughput mode
@@ -1165,12 +1180,18 @@ class Engine:
         as fit in n_batch; a request that arrives meanwhile is admitted before the next
         step. A new request whose prompt shares a longer prefix with a running request than
         the store holds copies those cells (``llama_memory_seq_cp``: one computation, shared
-        cells); if that request is still prefilling, the newcomer waits for it."""
+        cells); if that request is still prefilling, the newcomer waits for it.
+
+        A finished request's prompt cells stay resident in its sequence (``self._idle``,
+        least recently used first) until the sequence or its cells are needed: a later
+        request sharing a prefix with them copies the cells (``hit_tier`` "live", nothing
+        restored), as llama-server's slots keep their prompts."""
         lib = self._lib
         n_slots = self.config.max_batch
         self._scratch = n_slots
         self._mbatch = lib.llama_batch_init(self._llama.n_batch, 0, 1)
         free = list(range(n_slots))
+        self._idle = {}
         slots: list[_Slot] = []
         pending: list[RequestHandle] = []
         stopping = False
@@ -1180,7 +1201,7 @@ class Engine:
                 items.append(self._queue.get())
             # take from the queue only what free sequences can start: the rest stays queued
             # (bounded by max_queue, so a full engine still answers EngineBusy)
-            while len(pending) + len(items) < len(free):
+            while len(pending) + len(items) < len(free) + len(self._idle):
                 try:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
@@ -1200,7 +1221,7 @@ class Engine:
                     self._retire(slot, "cancelled")
                 return
             # admit while sequences and KV cells last
-            while pending and free:
+            while pending and (free or self._idle):
                 h = pending[0]
                 if h.cancelled:
                     pending.pop(0)
@@ -1211,9 +1232,14 @@ class Engine:
                 shared = max((_common_prefix(s.h.tokens, h.tokens, len(h.tokens) - 1)
                               for s in slots if s.h.ns.id == h.ns.id), default=0)
                 need = len(h.tokens) + h.params.max_tokens - shared
-                if slots and sum(s.need for s in slots) + need > self.n_ctx:
+                running = sum(s.need for s in slots)
+                while self._idle and running + self._idle_cells() + need > self.n_ctx:
+                    self._drop_idle(next(iter(self._idle)), free)  # least recently used
+                if slots and running + need > self.n_ctx:
                     break  # waits for cells; the copy of a shared prefix is not counted
                 pending.pop(0)
+                if not free:  # every sequence is resident: give up the least useful one
+                    self._drop_idle(self._idle_victim(h), free)
                 seq = free.pop(0)
                 try:
                     slot = self._admit(h, seq, slots)
@@ -1237,10 +1263,27 @@ class Engine:
                     slot.finish = "error"
             for slot in [s for s in slots if s.finish]:
                 slots.remove(slot)
-                self._retire(slot, slot.finish)
-                free.append(slot.seq)
-                free.sort()
+                if self._retire(slot, slot.finish):
+                    self._idle[slot.seq] = (slot.h.ns.id, slot.h.tokens)
+                else:
+                    free.append(slot.seq)
+                    free.sort()
             self._active = len(slots)
+
+    def _idle_cells(self) -> int:
+        return sum(len(tokens) for _, tokens in self._idle.values())
+
+    def _idle_victim(self, h: RequestHandle) -> int:
+        """The resident sequence whose cells serve ``h`` least (least recently used first)."""
+        return min(self._idle, key=lambda seq: (
+            _common_prefix(self._idle[seq][1], h.tokens, len(h.tokens) - 1)
+            if self._idle[seq][0] == h.ns.id else 0))
+
+    def _drop_idle(self, seq: int, free: list[int]) -> None:
+        del self._idle[seq]
+        self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        free.append(seq)
+        free.sort()
 
     def _admit(self, h: RequestHandle, seq: int, slots: list[_Slot]) -> _Slot:
         slot = _Slot(h, seq)
@@ -1268,6 +1311,7 @@ class Engine:
         lease = self.store.acquire(h.ns.id, tokens[:body_end])
         stored = lease.length if lease is not None else 0
         best, best_len = None, 0
+        resident, resident_len = None, 0
         if self._can_truncate:
             for other in slots:
                 if other is slot or other.phase == "wait" or other.h.ns.id != h.ns.id:
@@ -1275,6 +1319,20 @@ class Engine:
                 n = _common_prefix(other.h.tokens, tokens, body_end)
                 if n > best_len:
                     best, best_len = other, n
+            for seq, (ns_id, held) in self._idle.items():
+                n = _common_prefix(held, tokens, body_end) if ns_id == h.ns.id else 0
+                if n > resident_len:
+                    resident, resident_len = seq, n
+        if resident is not None and resident_len >= max(stored, best_len):
+            # a finished request's cells: copy them (shared cells, nothing restored)
+            if lease is not None:
+                lease.release()
+            lib.llama_memory_seq_cp(mem, resident, slot.seq, 0, resident_len)
+            self._idle[resident] = self._idle.pop(resident)  # most recently used
+            slot.n_past = slot.stats.cached_tokens = resident_len
+            slot.stats.hit_tier = "live"
+            slot.phase = "prefill"
+            return
         if best is not None and (best_len > stored
                                  or (best_len == stored and best.n_past >= best_len)):
             if lease is not None:
@@ -1334,6 +1392,9 @@ class Engine:
             b.seq_id[n][0], b.logits[n] = slot.seq, 1
             parts.append((slot, 1, n))
             n += 1
+        n_decoding = n
+        if n_decoding:
+            budget = min(budget, n_decoding + _PREFILL_TOKENS_WHILE_DECODING)
         for slot in slots:
             if slot.finish or slot.phase != "prefill" or n >= budget:
                 continue
@@ -1356,6 +1417,9 @@ class Engine:
             raise EngineError(f"llama_decode failed with code {rc} ({n} tokens)")
         n_seqs = len(parts)
         counters = self.batch_counters
+        if n_decoding:
+            counters["max_prefill_while_decoding"] = max(
+                counters["max_prefill_while_decoding"], n - n_decoding)
         counters["steps"] += 1
         counters["sequences"] += n_seqs
         counters["tokens"] += n
@@ -1390,24 +1454,30 @@ class Engine:
             else:
                 slot.next_tok = tok
 
-    def _retire(self, slot: _Slot, finish: str) -> None:
+    def _retire(self, slot: _Slot, finish: str) -> bool:
         """Finish ``slot``'s request: save its body (a segment on the longest stored prefix;
-        no rebase, other sequences hold the context), free its sequence."""
+        no rebase, other sequences hold the context). True: its sequence keeps the prompt's
+        cells (resident for later requests); False: the sequence is empty again."""
         stats, h = slot.stats, slot.h
         self._running.discard(h)
+        keep = False
         try:
             body_end = len(h.tokens) - 1
             if (slot.phase == "decode" and body_end >= self.config.min_snapshot_tokens
                     and body_end > stats.cached_tokens and finish != "error"):
                 self._save_snapshots(h.ns.id, h.tokens, [body_end], stats, src=slot.seq,
                                      scratch=self._scratch, rebase_ok=False)
+            # the prompt's cells were all computed in prefill chunks; generated ones go
+            keep = (slot.phase == "decode" and finish != "error" and body_end >= 1
+                    and self._can_truncate)
         except Exception:
             log.exception("saving the snapshot of request %d failed", h.id)
         finally:
-            self._lib.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
+            self._lib.llama_memory_seq_rm(self._mem, slot.seq, len(h.tokens) if keep else -1,
+                                          -1)
         if slot.error is not None:
             h._finish(None, slot.error)
-            return
+            return keep
         tail = slot.decoder.decode(b"", final=True)
         if tail:
             slot.text_parts.append(tail)
@@ -1422,6 +1492,7 @@ class Engine:
         stats.total_s = t_end - slot.t_start
         stats.finish_reason = finish
         h._finish(Completion(slot.generated, "".join(slot.text_parts), finish, stats), None)
+        return keep
 
 
 class _Grammar:

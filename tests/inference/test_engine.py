@@ -94,8 +94,9 @@ def test_prompts_ram_path_matches_cold(eng, cold):
         second = eng.chat(msgs, ns, GREEDY)
         n = len(eng.render_chat(msgs).tokens)
         assert second.stats.hit_tier == "ram"
-        assert second.stats.cached_tokens == n - 1
-        assert second.stats.prefill_tokens == 1
+        # the batch discipline evaluates the last 2 prompt tokens together
+        assert second.stats.cached_tokens == n - 2
+        assert second.stats.prefill_tokens == 2
         assert second.tokens == want
         assert first.stats.prompt_tokens == n
 
@@ -112,7 +113,7 @@ def test_prompts_disk_path_matches_cold(eng, cold):
             eng.store.set_budgets(ram_bytes=0)  # the previous hit was promoted: drop it again
             c = eng.chat(msgs, ns, GREEDY)
             assert c.stats.hit_tier == "disk"
-            assert c.stats.cached_tokens == len(eng.render_chat(msgs).tokens) - 1
+            assert c.stats.cached_tokens == len(eng.render_chat(msgs).tokens) - 2
             assert c.tokens == cold_tokens(cold, msgs)
     finally:
         eng.store.set_budgets(ram_bytes=ram_budget)
@@ -265,7 +266,7 @@ def test_persistence_and_corrupt_files(tmp_path, cold):
         # the flipped file went on first load (its prompt's cold run then stored a fresh one)
         assert e3.store.stats.corrupt_files_removed == 2
         intact = e3.chat(PROMPTS[4], params=GREEDY)  # its intact file still serves it
-        assert intact.stats.cached_tokens == len(e3.render_chat(PROMPTS[4]).tokens) - 1
+        assert intact.stats.cached_tokens == len(e3.render_chat(PROMPTS[4]).tokens) - 2
         assert intact.tokens == cold_tokens(cold, PROMPTS[4])
     finally:
         e3.close(flush=False)
@@ -320,7 +321,8 @@ def test_cache_events_carry_chains(tmp_path):
         assert ev.kind == "add" and ev.ns == ns.id and ev.tokens_len == len(body)
         assert ev.chain == chain_hashes(ns.key, body) and len(ev.chain) == len(body) // 16
         assert e.cached_prefixes() == [ev]
-        assert e.cached_tokens(ns, toks) == (len(body), "ram")
+        # the body is stored; a request evaluates at least its last 2 prompt tokens
+        assert e.cached_tokens(ns, toks) == (len(body) - 1, "ram")
         e.store.remove(ns.id, body)
         assert events[-1].kind == "remove" and events[-1].chain == ev.chain
     finally:

@@ -91,9 +91,52 @@ def test_rerun_of_the_same_batch_gives_the_same_tokens(prompts):
 def test_store_hits_and_snapshots_in_throughput_mode(eng, prompts):
     first = eng.complete_tokens(prompts[0], params=EIGHT)
     assert first.stats.snapshots_saved >= 1
+    ns = eng.default_namespace
+    assert eng.store.lookup_length(ns.id, prompts[0][:-1]) == (P + S, "ram")
+    # the finished request's cells are still resident in its sequence: copied, not restored
     again = eng.complete_tokens(prompts[0], params=EIGHT)
-    assert again.stats.hit_tier == "ram" and again.stats.cached_tokens == P + S
+    assert again.stats.hit_tier == "live" and again.stats.cached_tokens == P + S
+    assert again.stats.restore_s == 0.0
     assert again.tokens[0] == first.tokens[0]
+
+
+def test_resident_sequences_serve_later_requests_and_give_way():
+    # no RAM tier: only resident cells can serve a returning prefix
+    rng = random.Random(31)
+    prefix = [rng.randrange(100, 40000) for _ in range(100)]
+    e = make_engine(ram_budget_bytes=0, n_ctx=512)  # 4 sequences, 512 cells
+    try:
+        first = e.complete_tokens(prefix + [7, 8, 9], params=EIGHT)
+        assert first.stats.hit_tier == "none"
+        second = e.complete_tokens(prefix + [10, 11, 12], params=EIGHT)
+        assert second.stats.hit_tier == "live" and second.stats.cached_tokens == 100
+        # more unrelated prompts than sequences and than free cells, one after the other:
+        # resident sequences are given up for them, every request completes
+        others = [[rng.randrange(100, 40000) for _ in range(150)] for _ in range(6)]
+        got = [e.complete_tokens(p, params=EIGHT) for p in others]
+        assert all(g.finish_reason == "length" and len(g.tokens) == 8 for g in got)
+        # the same prompts at once, while resident cells fill the context
+        hs = [e.submit_tokens(p, params=EIGHT) for p in others]
+        assert all(h.result(600).finish_reason == "length" for h in hs)
+    finally:
+        e.close(flush=False)
+
+
+def test_long_prefill_is_capped_per_step_while_others_decode():
+    rng = random.Random(41)
+    e = make_engine(ram_budget_bytes=0, n_ctx=1024, n_batch=512)
+    try:
+        a = e.submit_tokens([rng.randrange(100, 40000) for _ in range(20)],
+                            params=SamplingParams(max_tokens=60))
+        it = iter(a)
+        next(it)  # a is decoding
+        b = e.submit_tokens([rng.randrange(100, 40000) for _ in range(400)], params=EIGHT)
+        rb, ra = b.result(600), a.result(600)
+    finally:
+        e.close(flush=False)
+    assert rb.finish_reason == "length" and ra.finish_reason == "length"
+    # b's 400 prompt tokens went in several steps next to a's decode tokens
+    assert 0 < e.batch_counters["max_prefill_while_decoding"] <= 128
 
 
 def test_late_request_joins_a_running_decode(eng, prompts):

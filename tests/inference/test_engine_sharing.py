@@ -60,7 +60,8 @@ def test_shared_prefix_is_stored_once_and_outputs_match_cold(tmp_path, prompts, 
         # each prompt again, now through its two-segment chain
         for p, want in zip(prompts, cold_outputs, strict=True):
             c = eng.complete_tokens(p, params=EIGHT)
-            assert c.stats.hit_tier == "ram" and c.stats.cached_tokens == P + S
+            # the same prompt: all but its last 2 tokens (evaluated together) restored
+            assert c.stats.hit_tier == "ram" and c.stats.cached_tokens == P + S - 1
             assert c.tokens == want
         eng.store._check_invariants()
     finally:
@@ -70,7 +71,7 @@ def test_shared_prefix_is_stored_once_and_outputs_match_cold(tmp_path, prompts, 
     try:
         for p, want in zip(prompts, cold_outputs, strict=True):
             c = eng2.complete_tokens(p, params=EIGHT)
-            assert c.stats.cached_tokens == P + S and c.tokens == want
+            assert c.stats.cached_tokens == P + S - 1 and c.tokens == want
         assert eng2.store.stats.hits_disk >= 1
         eng2.store._check_invariants()
     finally:
@@ -91,7 +92,7 @@ def test_truncating_a_chain_inside_its_first_segment_matches_cold(tmp_path, prom
         assert c.tokens == cold.complete_tokens(q, params=EIGHT).tokens
         # and the branch at 100 tokens is now shared by all three
         again = eng.complete_tokens(prompts[1], params=EIGHT)
-        assert again.stats.cached_tokens == P + S
+        assert again.stats.cached_tokens == P + S - 1
         assert again.tokens == cold.complete_tokens(prompts[1], params=EIGHT).tokens
         eng.store._check_invariants()
     finally:
@@ -104,14 +105,16 @@ def test_live_sequence_serves_the_next_turn_without_a_restore(tmp_path, prompts,
     cold = make_engine(None, ram_budget_bytes=0)
     try:
         c = eng.complete_tokens(prompts[0], params=EIGHT)
-        # the same prompt again: its whole body is still live in sequence 0
+        # the same prompt again: it is still live in sequence 0 (the last 2 tokens are
+        # evaluated again, together)
         again = eng.complete_tokens(prompts[0], params=EIGHT)
-        assert again.stats.hit_tier == "live" and again.stats.cached_tokens == P + S
+        assert again.stats.hit_tier == "live" and again.stats.cached_tokens == P + S - 1
         assert again.tokens == c.tokens == cold_outputs[0]
-        # a next turn extending it: live prefix kept, only the new tokens evaluated
+        # a next turn extending it: the whole previous prompt kept live, only the new
+        # tokens evaluated (the answer's tokens were computed alone: evaluated again)
         turn = prompts[0] + c.tokens + prompts[1][P:]
         t = eng.complete_tokens(turn, params=EIGHT)
-        assert t.stats.hit_tier == "live" and t.stats.cached_tokens == P + S
+        assert t.stats.hit_tier == "live" and t.stats.cached_tokens == P + S + 1
         assert t.tokens == cold.complete_tokens(turn, params=EIGHT).tokens
         # another namespace never sees it
         other = eng.complete_tokens(prompts[0], eng.namespace("other"), EIGHT)
@@ -144,10 +147,37 @@ def test_quantized_kv_cache_keeps_restores_exact_and_never_mixes(tmp_path, promp
         for p in prompts[:3] + prompts[:3]:
             c = q8.complete_tokens(p, params=EIGHT)
             assert c.tokens == cold.complete_tokens(p, params=EIGHT).tokens
-        assert c.stats.cached_tokens == P + S
+        assert c.stats.cached_tokens == P + S - 1
         q8.store._check_invariants()
     finally:
         q8.close(flush=False)
         cold.close(flush=False)
     with pytest.raises(ValueError, match="flash_attn"):
         make_engine(None, type_v="q8_0")
+
+
+def test_short_extensions_are_evaluated_in_one_pass_and_match_cold(tmp_path, prompts):
+    """A prompt extending a live or stored one by 1, 2 or 3 tokens: the rest (the last
+    token included) is evaluated as one chunk of >= 2 tokens, never a token alone, and the
+    greedy output equals a cold run."""
+    eng = make_engine(tmp_path, live_sequence=True)
+    cold = make_engine(None, ram_budget_bytes=0)
+    try:
+        base = prompts[2]
+        eng.complete_tokens(base, params=EIGHT)
+        for extra in ([5], [6, 7], [8, 9, 10]):
+            for tier in ("live", "ram"):
+                if tier == "ram":  # another namespace takes the context first
+                    eng.complete_tokens(prompts[3], eng.namespace("x"), EIGHT)
+                q = base + extra
+                c = eng.complete_tokens(q, params=EIGHT)
+                assert c.stats.hit_tier == tier, (extra, c.stats)
+                assert c.stats.prefill_tokens >= 2
+                # live: what q shares with the previous prompt (base + another extension);
+                # ram: the body of q itself was stored by the live request before
+                shared = len(base) if tier == "live" else len(q) - 1
+                assert c.stats.cached_tokens == min(shared, len(q) - 2)
+                assert c.tokens == cold.complete_tokens(q, params=EIGHT).tokens
+    finally:
+        eng.close(flush=False)
+        cold.close(flush=False)
