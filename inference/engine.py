@@ -71,7 +71,11 @@ it is still being prefilled). A row's result depends on how many rows its batch 
 throughput-mode answer may differ from the deterministic one after a few tokens (measured:
 docs/bench/engine.md, section 5); every answer carries ``RequestStats.batch_mode`` so
 that answers are only ever compared within one mode, and the mode is part of the state
-fingerprint, so states of the two modes never mix. Throughput mode saves the body of each
+fingerprint, so states of the two modes never mix. A finished request's prompt cells stay
+resident in its sequence until the sequence or its cells are needed (a later request
+sharing the prefix copies them: nothing restored), and while sequences decode a step
+carries at most ``_PREFILL_TOKENS_WHILE_DECODING`` prompt tokens (a long new prompt does
+not stall their next tokens for a whole n_batch). Throughput mode saves the body of each
 request as a segment (no branch-point rebase: other sequences hold the context), ignores
 ``live_sequence`` and ``snapshot_policy="boundaries"``, and admits a request only when
 its KV cells fit (``n_ctx`` is shared by all sequences; copied prefix cells count once).
