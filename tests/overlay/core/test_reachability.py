@@ -116,11 +116,14 @@ def test_circuit_and_dns_claims_are_not_dialled():
 # ---------------------------------------------------------------------------- askers
 
 
-candidates = st.lists(st.tuples(st.binary(min_size=1, max_size=2),
-                                st.one_of(PUBLIC_IPS, LAN_IPS)), max_size=10)
+# one IP per peer (a peer with two connections is still one answerer)
+unique_candidates = st.lists(st.tuples(st.binary(min_size=1, max_size=2),
+                                       st.one_of(PUBLIC_IPS, LAN_IPS)),
+                             max_size=10, unique_by=lambda c: c[0])
 
 
-@given(candidates, st.lists(st.one_of(PUBLIC_IPS, LAN_IPS), max_size=2), st.integers(1, 4))
+@given(unique_candidates, st.lists(st.one_of(PUBLIC_IPS, LAN_IPS), max_size=2),
+       st.integers(1, 4))
 def test_askers_are_distinct_ips_never_ours(cands, own, k):
     picked = rb.choose_askers(cands, own, k)
     ip_of = {}
@@ -128,7 +131,9 @@ def test_askers_are_distinct_ips_never_ours(cands, own, k):
         ip_of.setdefault(p, []).append(ip)
     assert len(picked) <= k and len(set(picked)) == len(picked)
     assert all(p in ip_of for p in picked)
-    # every picked peer has some IP that is not ours; distinct subnets come first
+    assert not any(ip in own for p, ip in cands if p in picked)
+    assert len({ip for p, ip in cands if p in picked}) == len(picked)
+    # as many as asked for whenever that many subnets hold an eligible peer
     eligible_subnets = {rb.subnet_key(ip) for _, ip in cands if ip not in own}
     if len(eligible_subnets) >= k:
         assert len(picked) == k
