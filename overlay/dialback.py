@@ -2,7 +2,8 @@
 
 :class:`DialbackServer` answers: for each claimed address at the IP it sees the asker at
 (at most :data:`~.core.reachability.MAX_CLAIMED_ADDRS`, one request per asking peer per
-:data:`~.core.reachability.ANSWER_INTERVAL_S`, :data:`MAX_ANSWERING` at once) it dials a
+:data:`~.core.reachability.ANSWER_INTERVAL_S`, :data:`MAX_ANSWERING` at once and
+:data:`MAX_ANSWERS_PER_MINUTE` in all) it dials a
 *fresh* connection (``swarm.dial_addr``: TCP + Noise, whose handshake checks the asker's
 peer id; :data:`~.core.reachability.DIALBACK_TIMEOUT_S` each, all in parallel), closes it
 and answers ``{seen, results}``. The library's AutoNAT v1 would instead reuse the
@@ -24,6 +25,7 @@ The verdict rules and the wire codec are pure: ``overlay/core/reachability.py``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 
 #: dial-back requests answered at once (each holds up to 4 dials for 3 s)
 MAX_ANSWERING = 8
+#: and per minute over all askers: many identities must not multiply the per-peer limit
+#: into a dialing service (an honest node asks 3 peers every 10 minutes)
+MAX_ANSWERS_PER_MINUTE = 60
 #: askers remembered for the per-peer rate limit (oldest forgotten first past this)
 _MAX_REMEMBERED = 4096
 #: the asker's wait for an answer: the answerer's parallel dials plus two round trips
@@ -111,6 +116,7 @@ class DialbackServer:
         self.host = host
         self.clock = clock
         self._asked_at: dict[bytes, float] = {}
+        self._recent: collections.deque[float] = collections.deque()  # admitted, last minute
         self._answering = 0
         self.answered = 0
         self.refused = 0
@@ -124,6 +130,11 @@ class DialbackServer:
             return False
         if self._answering >= MAX_ANSWERING:
             return False
+        while self._recent and now - self._recent[0] >= 60.0:
+            self._recent.popleft()
+        if len(self._recent) >= MAX_ANSWERS_PER_MINUTE:
+            return False
+        self._recent.append(now)
         self._asked_at.pop(peer, None)
         self._asked_at[peer] = now
         while len(self._asked_at) > _MAX_REMEMBERED:  # dicts keep insertion order

@@ -146,3 +146,18 @@ def test_status_metrics_and_screen_show_the_reachability_line():
     ov = overview(node)
     assert ov["node"]["reachability"]["line"] == "private (reachable via relay R2)"
     assert "reachability: private (reachable via relay R2)  (NAT symmetric)" in render_text(ov)
+
+
+def test_answers_are_bounded_per_peer_and_in_all():
+    """One request per peer per minute, and at most MAX_ANSWERS_PER_MINUTE over all
+    peers (many identities do not make a node a dialing service)."""
+    from prefixmesh.overlay.dialback import MAX_ANSWERS_PER_MINUTE
+
+    now = [0.0]
+    server = DialbackServer(None, clock=lambda: now[0])  # admission needs no host
+    assert server._admit(b"peer-a") and not server._admit(b"peer-a")
+    for i in range(MAX_ANSWERS_PER_MINUTE - 1):
+        assert server._admit(f"peer-{i}".encode())
+    assert not server._admit(b"one-more")
+    now[0] = rb.ANSWER_INTERVAL_S
+    assert server._admit(b"one-more") and server._admit(b"peer-a")
