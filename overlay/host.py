@@ -41,9 +41,12 @@ Connections
 
 Circuits (issue 16)
     py-libp2p's swarm never dials ``/p2p-circuit`` addresses: :meth:`OverlayHost.connect`
-    dials them itself through the library's ``CircuitV2Transport`` (roles ``STOP``: with
-    ``CLIENT`` every dial would also RESERVE), under the same timeout, after the direct
-    addresses failed; every node runs the stop side (:class:`~.relay.FixedHop` without
+    dials them itself (CONNECT at the relay over the library's messages, then the usual
+    Noise + Yamux upgrade over that stream), under the same timeout, after the direct
+    addresses failed. Ours rather than ``CircuitV2Transport.dial``: a dial cut short by
+    our timeout must reset its stream at the relay, or the relay keeps splicing a circuit
+    nobody uses (measured in the lab: every relay's circuits filled up with them and it
+    refused new ones). Every node runs the stop side (:class:`~.relay.FixedHop` without
     hop) to accept relayed connections. A private node with reservations advertises its
     circuit addresses instead of its listen addresses (:meth:`OverlayHost.set_circuit_addrs`);
     :meth:`OverlayHost.link_kind` tells relayed from direct links. Private addresses of
@@ -66,13 +69,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
@@ -90,7 +97,7 @@ from .libp2p_guard import (
     install_guards,
     own_dial,
 )
-from .relay import FixedHop, relay_limits
+from .relay import HOP_PROTOCOL, FixedHop, relay_limits
 
 __all__ = [
     "HostError",
@@ -112,6 +119,8 @@ log = logging.getLogger(__name__)
 
 #: default seconds for one dial (TCP + Noise + Yamux)
 DIAL_TIMEOUT_S = 5.0
+#: a dial through a relay may take this many times the dial timeout (module docstring)
+CIRCUIT_DIAL_FACTOR = 3
 #: default seconds for opening a stream on an existing connection (multistream select)
 STREAM_TIMEOUT_S = 5.0
 #: largest raw (non-CBOR-frame) message on our byte-message protocols (digest exchange)
@@ -357,10 +366,8 @@ class OverlayHost:
         install_guards(self.libp2p, peerstore, self.dial_gate)
         self._own_ips = concrete_ipv4_addrs()
         _filter_peer_addrs(peerstore, lambda a: relaying.keep_peer_addr(a, self._own_ips))
-        # circuits: our stop side and the transport that dials /p2p-circuit addresses
+        # circuits: our stop side (module docstring, "Circuits")
         self.circuit_stop = FixedHop(self.libp2p, limits=relay_limits(), allow_hop=False)
-        self.circuit_transport = CircuitV2Transport(
-            self.libp2p, self.circuit_stop, RelayConfig(roles=RelayRole.STOP))
         self._circuit_addrs: list[str] = []
         self._nursery: trio.Nursery | None = None
         # pre-negotiated idle streams: (peer, protocol) -> [(stream, opened_at)]
@@ -507,18 +514,22 @@ class OverlayHost:
         network = self.libp2p.get_network()
         with contextlib.suppress(Exception):
             network.unblock_peer(pid)  # our own backoff decides when to retry
+        timeout_s = timeout_s or self.dial_timeout_s
         try:
-            with trio.fail_after(timeout_s or self.dial_timeout_s):
-                with own_dial():  # admitted by our caller (heartbeat) or configured
-                    if self.is_connected(peer) or not circuits:
+            with own_dial():  # admitted by our caller (heartbeat) or configured
+                if self.is_connected(peer) or not circuits:
+                    with trio.fail_after(timeout_s):
+                        await self.libp2p.connect(
+                            PeerInfo(pid, [multiaddr.Multiaddr(a) for a in direct]))
+                    return
+                if direct:
+                    with contextlib.suppress(Exception), trio.fail_after(timeout_s):
                         await self.libp2p.connect(
                             PeerInfo(pid, [multiaddr.Multiaddr(a) for a in direct]))
                         return
-                    if direct:
-                        with contextlib.suppress(Exception):
-                            await self.libp2p.connect(
-                                PeerInfo(pid, [multiaddr.Multiaddr(a) for a in direct]))
-                            return
+                # a relayed dial is two TCP hops and the relay's CONNECT/STOP exchange
+                # before the handshake: it gets CIRCUIT_DIAL_FACTOR times the time
+                with trio.fail_after(timeout_s * CIRCUIT_DIAL_FACTOR):
                     await self._dial_circuits(peer, circuits)
         except trio.TooSlowError:
             raise PeerTimeout(f"dial {peer_id_to_b58(peer)[:16]} timed out") from None
@@ -533,13 +544,41 @@ class OverlayHost:
         errors = []
         for a in circuits:
             try:
-                await self.circuit_transport.dial(multiaddr.Multiaddr(f"{a}/p2p/{b58}"))
+                await self._dial_circuit(peer, a)
                 return
             except trio.Cancelled:
                 raise
             except Exception as exc:
                 errors.append(f"{a}: {exc}")
         raise PeerUnreachable(f"dial {b58[:16]} through relays failed: {'; '.join(errors)}")
+
+    async def _dial_circuit(self, peer: bytes, circuit: str) -> None:
+        """CONNECT to ``peer`` at the relay of ``circuit`` and upgrade the stream into a
+        connection; the stream is reset if anything fails or is cancelled."""
+        relay_b58 = relaying.relay_of_circuit(circuit)
+        if relay_b58 is None:
+            raise PeerUnreachable(f"{circuit}: not a circuit address")
+        relay = ID.from_base58(relay_b58).to_bytes()
+        await self.connect(relay, [circuit[: circuit.index(f"/p2p/{relay_b58}")]])
+        stream = await self.open_stream(relay, HOP_PROTOCOL)
+        ok = False
+        try:
+            await write_delimited_msg(stream, HopMessage(type=HopMessage.CONNECT,
+                                                         peer=CircuitPeerId(id=peer)))
+            resp = await read_delimited_msg(stream, HopMessage)
+            status = StatusCode(resp.status) if resp.HasField("status") else StatusCode.OK
+            if status != StatusCode.OK:
+                raise PeerUnreachable(f"relay {relay_b58[-8:]} refused: {status.name}")
+            raw = RawConnection(stream=stream, initiator=True,
+                                connection_type=ConnectionType.RELAYED,
+                                addresses=[multiaddr.Multiaddr(
+                                    f"{circuit}/p2p/{peer_id_to_b58(peer)}")])
+            await self.libp2p.upgrade_outbound_connection(raw, ID(peer))
+            ok = True
+        finally:
+            if not ok:  # also when our dial timeout cancelled us: shielded
+                with trio.CancelScope(shield=True):
+                    await _reset_quietly(stream)
 
     async def disconnect(self, peer: bytes) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(2):
@@ -553,6 +592,10 @@ class OverlayHost:
             with trio.fail_after(timeout_s or self.stream_timeout_s):
                 return await self.libp2p.new_stream(ID(peer), [TProtocol(protocol)])
         except trio.TooSlowError:
+            if self.link_kind(peer) == "relayed":
+                # a circuit the relay cut (or a dead relay) can leave a connection that
+                # never fails by itself: close it, so the next dial takes a live circuit
+                self._spawn(self.disconnect, peer)
             raise PeerTimeout(f"new stream to {peer_id_to_b58(peer)[:16]} timed out") from None
         except trio.Cancelled:
             raise

@@ -53,10 +53,17 @@ __all__ = ["FixedHop", "RelayService", "ReservationKeeper", "relay_limits", "HOP
 
 log = logging.getLogger(__name__)
 
-#: the per-circuit pacing bucket of the circuit a splice task belongs to (both
-#: directions of one circuit share it: set before the library starts them)
-_CIRCUIT_BUCKET: contextvars.ContextVar[rl.ByteBucket | None] = contextvars.ContextVar(
-    "circuit_bucket", default=None)
+class _Circuit:
+    """What both directions of one circuit share: its pacing bucket, its last activity."""
+
+    def __init__(self) -> None:
+        self.bucket = rl.ByteBucket(rl.CIRCUIT_RATE_BPS, _CIRCUIT_BURST)
+        self.last = trio.current_time()
+
+
+#: the circuit a splice task belongs to (set before the library starts both directions)
+_CIRCUIT: contextvars.ContextVar[_Circuit | None] = contextvars.ContextVar(
+    "circuit", default=None)
 #: pacing credit: a 256 KiB answer leaves at once, a 32 MiB stream is paced
 _CIRCUIT_BURST = 256 * 1024
 _RELAY_BURST = 1024 * 1024
@@ -106,6 +113,7 @@ class FixedHop(CircuitV2Protocol):
         self.bucket = rl.ByteBucket(rl.RELAY_RATE_BPS, _RELAY_BURST)
         self.bytes_carried = 0
         self.circuits_cut = 0
+        self.circuits_idle_cut = 0
         host.get_network().register_notifee(_ConnGone(self))
 
     async def _handle_connect(self, stream, msg) -> None:
@@ -120,11 +128,11 @@ class FixedHop(CircuitV2Protocol):
                 await trio.sleep(0.2)  # let the STATUS leave before the reset
                 await stream.reset()
             return
-        token = _CIRCUIT_BUCKET.set(rl.ByteBucket(rl.CIRCUIT_RATE_BPS, _CIRCUIT_BURST))
+        token = _CIRCUIT.set(_Circuit())
         try:
             await super()._handle_connect(stream, msg)
         finally:
-            _CIRCUIT_BUCKET.reset(token)
+            _CIRCUIT.reset(token)
             self.book.release(ticket)
 
     async def _relay_data(self, src_stream, dst_stream, peer_id, deadline=None,
@@ -134,16 +142,25 @@ class FixedHop(CircuitV2Protocol):
             scope.deadline = trio.current_time() + max(0.0, deadline - time.monotonic())
         entry = (src_stream, dst_stream, scope)
         self.circuits.add(entry)
-        circuit_bucket = _CIRCUIT_BUCKET.get()
+        circuit = _CIRCUIT.get()
         try:
             with scope:
                 while True:
                     try:
-                        data = await src_stream.read(MAX_READ_LEN)
+                        with trio.move_on_after(rl.CIRCUIT_IDLE_S) as waited:
+                            data = await src_stream.read(MAX_READ_LEN)
                     except Exception:
                         break
+                    if waited.cancelled_caught:
+                        if circuit is None or \
+                                trio.current_time() - circuit.last >= rl.CIRCUIT_IDLE_S:
+                            self.circuits_idle_cut += 1
+                            break
+                        continue  # the other direction is busy
                     if not data:
                         break
+                    if circuit is not None:
+                        circuit.last = trio.current_time()
                     if circuit_data_limit is not None:
                         if len(data) > circuit_data_limit[0]:
                             self.circuits_cut += 1
@@ -151,8 +168,8 @@ class FixedHop(CircuitV2Protocol):
                         circuit_data_limit[0] -= len(data)
                     now = trio.current_time()
                     wait = self.bucket.take(len(data), now)
-                    if circuit_bucket is not None:
-                        wait = max(wait, circuit_bucket.take(len(data), now))
+                    if circuit is not None:
+                        wait = max(wait, circuit.bucket.take(len(data), now))
                     if wait > 0:
                         await trio.sleep(wait)
                     with trio.fail_after(self.write_timeout):
@@ -203,6 +220,7 @@ class RelayService:
             "bytes_relayed": self.hop.bytes_carried,
             "reservations": self.hop.reservations(),
             "refused": sum(book.refused.values()),
+            "idle_cut": self.hop.circuits_idle_cut,
         }
 
 

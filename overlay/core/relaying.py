@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
-    "CIRCUIT_DURATION_S", "CIRCUIT_DATA_BYTES", "MAX_RESERVATIONS", "RESERVATION_TTL_S",
+    "CIRCUIT_DURATION_S", "CIRCUIT_IDLE_S", "CIRCUIT_DATA_BYTES", "MAX_RESERVATIONS", "RESERVATION_TTL_S",
     "MAX_CIRCUITS_PER_DEST", "MAX_CIRCUITS", "MAX_CIRCUITS_PER_SUBNET", "RELAY_RATE_BPS",
     "CIRCUIT_RATE_BPS", "RESERVE_AT", "RENEW_FRACTION", "PROBE_EVERY_S", "PROBE_TIMEOUT_S",
     "RELAY_RETRY_S",
@@ -50,6 +50,10 @@ __all__ = [
 #: per circuit (a whole A<->B connection, not one request): ~55 KB per inference exchange
 #: plus heartbeats makes this hundreds of requests; a cut circuit is redialled in 0.1-0.3 s
 CIRCUIT_DURATION_S = 600
+#: a circuit that carried nothing either way for this long is cut: a live connection
+#: carries our heartbeat every 0.5 s; a dead or abandoned one would hold a slot until
+#: CIRCUIT_DURATION_S (measured in the lab: abandoned circuits filled a relay's slots)
+CIRCUIT_IDLE_S = 30.0
 CIRCUIT_DATA_BYTES = 32 * 1024 * 1024
 MAX_RESERVATIONS = 64
 RESERVATION_TTL_S = 900
