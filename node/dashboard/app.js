@@ -48,6 +48,9 @@ function renderSelf(me) {
     ["peer id", me.peer_id], ["addresses", (me.addrs || []).join("  ")],
     ["model", me.model], ["policy", me.policy],
     ["uptime", me.uptime_s == null ? "-" : `${Math.round(me.uptime_s)} s`],
+    ["reachability", me.reachability ? me.reachability.line +
+      (me.reachability.nat && me.reachability.nat !== "unknown" ? ` (NAT ${me.reachability.nat})` : "")
+      : "-"],
     ["engine", `${e.active ?? 0} running, ${e.queue_depth ?? 0} waiting`],
     ["rates", (e.prefill_tps == null ? "prefill not measured yet"
       : `prefill ${fixed(e.prefill_tps, 0)} tok/s`) + `, decode ${fixed(e.decode_tps, 0)} tok/s`],
