@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -291,7 +292,8 @@ class ReachabilityService:
                 del self._observations[p]
         candidates = self._candidates(now)
         seen_ip = self.reachability.seen_ip
-        for peer in rb.choose_askers(candidates, self._own_ips()):
+        askers = rb.choose_askers(candidates, self._own_ips())
+        for peer in askers:
             self._asked_at[peer] = self.clock()
             obs = await self._ask(peer, self._claims(seen_ip))
             if obs is not None:
@@ -299,6 +301,9 @@ class ReachabilityService:
                 seen_ip = seen_ip or obs.answer.seen_ip
         self.checks += 1
         new = rb.verdict([o for _, o in self._observations.values()])
+        if not askers and not self._observations:
+            # say why nothing happens: on loopback or a one-host LAN every peer is "us"
+            new = dataclasses.replace(new, why="no peer at another IP address to ask yet")
         self._set(new)
         self.schedule.checked(self.clock(), sorted(base), new)
         return new
