@@ -100,6 +100,7 @@ from prefixmesh.overlay.core import wire
 
 from . import ollama_api, openai_tools
 from .config import is_loopback_host
+from .mesh_models import job_model, model_json, models_json
 from .openai_schema import (
     MAX_BODY_BYTES,
     SSE_DONE,
@@ -119,12 +120,10 @@ from .openai_schema import (
     Unauthorized,
     UpstreamError,
     Usage,
-    catalog_models_object,
     chat_chunk_object,
     chat_completion_object,
     completion_chunk_object,
     completion_object,
-    models_object,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
@@ -1225,48 +1224,6 @@ def default_model_ids(backend) -> list[str]:
 
 #: tenants derived for other models' requests (namespace keys per model): a few per model
 _MAX_FOREIGN_TENANTS = 256
-
-
-def models_json(backend) -> dict[str, Any]:
-    """``GET /v1/models``: this node's model under its ids (its name, the alias), then the
-    mesh's other models by name (by fingerprint where a name is taken), each with its
-    fingerprint and how many nodes serve it now."""
-    catalog = getattr(backend, "model_catalog", None)
-    if catalog is None:  # a backend that knows only its own model
-        return models_object(backend.model_ids())
-    rows: list[tuple[str, str, int, bool]] = []
-    taken: set[str] = set()
-    for e in catalog():
-        for model_id in (backend.model_ids() if e.local else [e.name]):
-            model_id = e.fp_hex if model_id in taken else model_id
-            taken.add(model_id)
-            rows.append((model_id, e.fp_hex, e.nodes, e.local))
-    return catalog_models_object(rows)
-
-
-def model_json(backend, name: str) -> dict[str, Any] | None:
-    """``GET /v1/models/{name}``: the listed object ``name`` is the id of, else the one of
-    the model it names (a fingerprint, a hex prefix); None: no such model now."""
-    listed = models_json(backend)["data"]
-    found = next((m for m in listed if m["id"] == name), None)
-    fp = job_model(backend, name) if found is None else None
-    if fp is not None:
-        want = fp.hex() if fp else None
-        found = next((m for m in listed if (m.get("prefixmesh", {}).get("fingerprint") == want
-                      if want else m["id"] in backend.model_ids())), None)
-    return found
-
-
-def job_model(backend, name: str) -> bytes | None:
-    """The fingerprint of the model a request names when it is another node's (b"": this
-    node's own), or None when no node of the mesh serves it now."""
-    if name in backend.model_ids():
-        return b""
-    resolve = getattr(backend, "resolve_model", None)
-    entry = resolve(name) if resolve is not None and isinstance(name, str) else None
-    if entry is None:
-        return None
-    return b"" if entry.local else bytes(entry.fingerprint)
 
 
 # --- serving ------------------------------------------------------------------------------

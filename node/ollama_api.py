@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 
+from .mesh_models import job_model, models_json
 from .openai_schema import (
     ApiError,
     BadRequest,
@@ -105,15 +106,11 @@ def _canonical_model(name: str, model_ids: list[str]) -> str | None:
 
 def _mesh_ids(backend) -> list[str]:
     """Every model id ``GET /v1/models`` lists (this node's, then the mesh's others)."""
-    from .http_gateway import models_json  # noqa: PLC0415 - it imports this module
-
     return [m["id"] for m in models_json(backend)["data"]]
 
 
 def _job_model(backend, name: str) -> bytes | None:
     """The fingerprint to ask for (b"": this node's model), None: nobody serves it."""
-    from .http_gateway import job_model  # noqa: PLC0415
-
     for candidate in (name, name[: -len(":latest")] if name.endswith(":latest") else None):
         fp = job_model(backend, candidate) if candidate else None
         if fp is not None:
