@@ -35,9 +35,7 @@ def swarm(tmp_path_factory):
     root = tmp_path_factory.mktemp("swarm")
     with Swarm(root) as s:
         a = s.add("A")
-        s.add("B", bootstrap=[a.addr])
-        s.add("C", bootstrap=[a.addr])
-        s.add("D", bootstrap=[a.addr])  # D knows only A
+        s.add_many("BCD", bootstrap=[a.addr])  # D knows only A
         yield s
 
 
