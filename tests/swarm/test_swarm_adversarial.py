@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import pytest
@@ -53,13 +54,11 @@ def _stats(node) -> dict[str, int]:
     return dict(peers(node.addr).stats)
 
 
-def test_wrong_tokens_are_caught_by_spot_checks(tmp_path, monkeypatch):
+def test_wrong_tokens_are_caught_by_spot_checks(tmp_path):
     with Swarm(tmp_path) as s:
         a = s.add("A", extra=["--spot-check", "1.0"])
-        monkeypatch.setenv("PREFIXMESH_FAULT", "wrong-tokens")
-        b = s.add("B", bootstrap=[a.addr])  # the liar
-        monkeypatch.delenv("PREFIXMESH_FAULT")
-        c = s.add("C", bootstrap=[a.addr])  # honest
+        b, c = s.add_many([("B", {"env": {"PREFIXMESH_FAULT": "wrong-tokens"}}),  # the liar
+                           "C"], bootstrap=[a.addr])  # C: honest
         trust_b, trust_c = f"trust_{b.peer_b58[-8:]}", f"trust_{c.peer_b58[-8:]}"
 
         # honest control: C's answers are checked and match; its trust does not drop
@@ -108,22 +107,22 @@ def _forwarded_to(answer, entry, peer) -> bool:
 
 
 N_REQUESTS = 24
+REFERENCE_TIMEOUT_S = 300.0
 
 
-def test_lying_digest_peer_loses_its_share_and_answers_stay_correct(tmp_path, monkeypatch):
+def test_lying_digest_peer_loses_its_share_and_answers_stay_correct(tmp_path):
     n_prompts = N_REQUESTS
     prompts = [_liar_prompt(i) for i in range(n_prompts)]
     lies = tmp_path / "lies.json"
     lies.write_text(json.dumps(prompts))
     with Swarm(tmp_path) as s:
         a = s.add("A", extra=["--share-cap"])
-        b = s.add("B", bootstrap=[a.addr])
-        c = s.add("C", bootstrap=[a.addr])
-        monkeypatch.setenv("PREFIXMESH_FAULT", "lie-digest")
-        monkeypatch.setenv("PREFIXMESH_FAULT_PROMPTS", str(lies))
-        d = s.add("D", bootstrap=[a.addr])  # claims every prompt's prefix, holds none
-        monkeypatch.delenv("PREFIXMESH_FAULT")
-        monkeypatch.delenv("PREFIXMESH_FAULT_PROMPTS")
+        liar_env = {"PREFIXMESH_FAULT": "lie-digest", "PREFIXMESH_FAULT_PROMPTS": str(lies)}
+        # D claims every prompt's prefix and holds none; E is a cold, isolated node for
+        # the reference answers
+        b, c, d, e = s.add_many(["B", "C", ("D", {"env": liar_env}),
+                                 ("E", {"digest": False, "bootstrap": []})],
+                                bootstrap=[a.addr])
         trust_d = f"trust_{d.peer_b58[-8:]}"
 
         def ready():
@@ -133,6 +132,19 @@ def test_lying_digest_peer_loses_its_share_and_answers_stay_correct(tmp_path, mo
 
         wait_until(ready, timeout_s=60, what="A to see B, C, D and D's (false) digest")
 
+        # the reference answers (the model's greedy output at E, which is outside the
+        # swarm) are computed meanwhile, on the other core
+        references: list = []
+        reference_errors: list[BaseException] = []
+
+        def run_references() -> None:
+            try:
+                references.extend(ask(e.addr, p, max_tokens=4, hop_budget=0) for p in prompts)
+            except BaseException as exc:  # reported by the assertion below
+                reference_errors.append(exc)
+
+        reference_run = threading.Thread(target=run_references, daemon=True)
+        reference_run.start()
         # the liar's claim is the longest, so it attracts requests at first; every forward
         # to it is a full miss (it holds nothing): trust falls 12 % per miss (under the 0.2
         # floor after 11), and the share cap allows it at most half of A's forwards
@@ -148,10 +160,12 @@ def test_lying_digest_peer_loses_its_share_and_answers_stay_correct(tmp_path, mo
         assert sum(late) / len(late) < 0.5, pattern  # in the second half, under the cap
         assert _stats(a)[trust_d] < 400, pattern
 
-        # every answer is the model's greedy output: compare with a cold, isolated node
-        e = s.add("E", digest=False)
-        for prompt, ans in zip(prompts, answers, strict=True):
-            reference = ask(e.addr, prompt, max_tokens=4, hop_budget=0)
+        # every answer is the model's greedy output: compare with the cold, isolated node
+        reference_run.join(REFERENCE_TIMEOUT_S)
+        assert len(references) == n_prompts, ("E did not answer every reference request",
+                                              reference_errors)
+        for prompt, ans, reference in zip(prompts, answers, references, strict=True):
+            assert reference.final.serving == e.peer_id
             assert ans.text == reference.text, (prompt[1], ans.text, reference.text)
 
 
@@ -168,9 +182,7 @@ def test_hundred_requests_survive_a_kill_and_a_freeze(tmp_path):
 
     with Swarm(tmp_path) as s:
         a = s.add("A")
-        b = s.add("B", bootstrap=[a.addr])
-        c = s.add("C", bootstrap=[a.addr])
-        d = s.add("D", bootstrap=[a.addr])
+        b, c, d = s.add_many("BCD", bootstrap=[a.addr])
         _warm(a, b, STORY)  # B and C hold the shared prefix: A forwards to them
         _warm(a, c, STORY)
         wait_until(lambda: d.peer_id in {p.peer for p in peers(a.addr).peers if p.up},
