@@ -26,8 +26,7 @@ STORY = [("system", SYSTEM), ("user", "Tell me a long story about a lighthouse k
 def trio_swarm(tmp_path):
     with Swarm(tmp_path) as s:
         a = s.add("A")
-        s.add("B", bootstrap=[a.addr])
-        s.add("C", bootstrap=[a.addr])
+        s.add_many("BC", bootstrap=[a.addr])
         yield s
 
 
@@ -155,8 +154,7 @@ def test_flapping_node_never_loses_a_request(tmp_path):
     with Swarm(tmp_path) as s:
         slow = ["--sim-prefill-tps", "300"]  # a cold prompt costs ~1 s: forwarding pays
         a = s.add("A", backend="sim", extra=slow)
-        b = s.add("B", backend="sim", bootstrap=[a.addr], extra=slow)
-        s.add("C", backend="sim", bootstrap=[a.addr], extra=slow)
+        b, _ = s.add_many("BC", backend="sim", bootstrap=[a.addr], extra=slow)
         wait_until(lambda: len([p for p in peers(a.addr).peers if p.up]) >= 2,
                    timeout_s=20, what="A to see B and C")
         ask(b.addr, STORY, max_tokens=2, hop_budget=0)  # B holds the prefix
