@@ -8,8 +8,9 @@ One three-node swarm per module (n_ctx 2048, one llama.cpp thread per node, answ
     B  tenants: public, t1                                      bootstrap A
     C  tenants: public, t2        (no t1 secret)                bootstrap A
 
-Waits poll ``prefixmesh peers --json`` (digest propagation, peers coming up); there are no
-fixed sleeps. The bad-config tests need no swarm.
+Waits (digest propagation, peers coming up) poll the PEERS view through the client library
+in this process, not a ``prefixmesh peers`` process per poll; there are no fixed sleeps.
+The bad-config tests need no swarm.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from pathlib import Path
 import pytest
 import trio
 from _model_fixture import TEST_THREADS, default_model_path  # noqa: E402
-from _swarm import NodeProc  # noqa: E402
+from _swarm import NodeProc, peers  # noqa: E402
+
+from prefixmesh.overlay.core.identity import peer_id_to_b58  # noqa: E402
+from prefixmesh.overlay.core.wire import PeerInfo  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real node processes and the real model
 
@@ -82,9 +86,16 @@ def peers_json(entry: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def peers_view(entry: str) -> dict[str, PeerInfo]:
+    """peer id (base58) -> the entry node's view of that peer, through the client library
+    in this process: for waits, which poll (a ``prefixmesh peers`` process costs ~2 s of
+    CPU per call; what the command prints is tested in test_peers_json_lists_the_other_nodes)."""
+    return {peer_id_to_b58(p.peer): p for p in peers(entry).peers}
+
+
 def hashes_seen(entry: str) -> dict[str, int]:
     """peer id (base58) -> blocks the entry node believes that peer caches."""
-    return {p["peer"]: p["n_hashes"] for p in peers_json(entry)["peers"]}
+    return {peer: p.n_hashes for peer, p in peers_view(entry).items()}
 
 
 def poll(predicate, what: str, timeout_s: float = PROPAGATION_TIMEOUT_S):
@@ -121,6 +132,15 @@ class Node:
 
     def start(self) -> Node:
         self.proc.start()
+        return self
+
+    def launch(self) -> Node:
+        """Start the process without waiting (``wait_ready`` waits)."""
+        self.proc.launch()
+        return self
+
+    def wait_ready(self) -> Node:
+        self.proc.wait_ready()
         return self
 
     @property
@@ -172,11 +192,13 @@ def swarm(tmp_path_factory):
         nodes.append(a.start())
         b = Node(root, "B", node_config("B", root, {"public": PUBLIC, "t1": T1}, [a.addr]))
         c = Node(root, "C", node_config("C", root, {"public": PUBLIC, "t2": T2}, [a.addr]))
-        nodes += [b.start(), c.start()]
+        nodes += [b.launch(), c.launch()]  # both start together
+        for n in nodes[1:]:
+            n.wait_ready()
         for n in nodes:  # everyone sees the two others up (B and C find each other via A)
             others = {m.peer_b58 for m in nodes} - {n.peer_b58}
             poll(lambda n=n, others=others: others <= {
-                p["peer"] for p in peers_json(n.addr)["peers"] if p["up"]},
+                peer for peer, p in peers_view(n.addr).items() if p.up},
                 f"{n.name} to see the two other nodes up")
         yield nodes
     finally:
