@@ -152,6 +152,11 @@ _ZERO_KV_BUFFERS = False
 # prompt delays their next tokens by ~128 token evaluations per step, not n_batch (on a CPU
 # a step costs about the sum of its tokens: docs/bench/engine.md, section 7)
 _PREFILL_TOKENS_WHILE_DECODING = 128
+# throughput mode: finished sequences whose prompt cells stay resident. One, like the
+# deterministic live sequence: in a unified KV cache every step's attention spans all used
+# cells, so 8 resident 533-token prompts made a warm request 1.7x slower (measured,
+# docs/bench/engine.md section 7) for prefixes the RAM tier restores in ~10 ms
+_RESIDENT_SEQUENCES = 1
 BATCH_MODES = ("deterministic", "throughput")
 
 MAX_TOP_LOGPROBS = 20
@@ -1268,6 +1273,8 @@ class Engine:
             for slot in [s for s in slots if s.finish]:
                 slots.remove(slot)
                 if self._retire(slot, slot.finish):
+                    while len(self._idle) >= _RESIDENT_SEQUENCES:
+                        self._drop_idle(next(iter(self._idle)), free)  # least recently used
                     self._idle[slot.seq] = (slot.h.ns.id, slot.h.tokens)
                 else:
                     free.append(slot.seq)
