@@ -197,6 +197,10 @@ class HttpNode:
     def __init__(self, swarm: Swarm, name: str, *, api_key: str | None = None, **kwargs):
         """``api_key``: the gateway-wide key (then every request sends it, ``headers``);
         without one the gateway serves only the public tenant over HTTP."""
+        self.proc: NodeProc = swarm.add(name, **self._prepare(swarm, name, api_key, kwargs))
+
+    def _prepare(self, swarm: Swarm, name: str, api_key: str | None, kwargs: dict) -> dict:
+        """Write the node's gateway config; returns the ``Swarm.add`` keyword arguments."""
         self.port = _free_port()
         self.api_key = api_key
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -205,10 +209,20 @@ class HttpNode:
         cfg.write_text(f'[http]\nlisten = "127.0.0.1:{self.port}"\n{key_line}'
                        '[tenants.public]\nvisibility = "public"\n'
                        f'[tenants.team]\nsecret = "{TEAM_SECRET}"\n')
-        self.proc: NodeProc = swarm.add(name, extra=["--config", str(cfg)], n_ctx=4096,
-                                        **kwargs)
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
+        return {"extra": ["--config", str(cfg)], "n_ctx": 4096, **kwargs}
+
+    @classmethod
+    def add_many(cls, swarm: Swarm, names, *, api_key: str | None = None,
+                 **kwargs) -> list[HttpNode]:
+        """Several gateway nodes started together (``Swarm.add_many``), same settings."""
+        nodes = [cls.__new__(cls) for _ in names]
+        specs = [(name, node._prepare(swarm, name, api_key, dict(kwargs)))
+                 for node, name in zip(nodes, names, strict=True)]
+        for node, proc in zip(nodes, swarm.add_many(specs), strict=True):
+            node.proc = proc
+        return nodes
 
     def client(self) -> OpenAI:
         return OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0,

@@ -47,16 +47,29 @@ class OpsNode:
     """A node process with the gateway ([http]) or only the operator endpoints ([metrics])."""
 
     def __init__(self, swarm: Swarm, name: str, *, gateway: bool, **kwargs):
+        self.proc: NodeProc = swarm.add(name, **self._prepare(swarm, name, gateway, kwargs))
+
+    def _prepare(self, swarm: Swarm, name: str, gateway: bool, kwargs: dict) -> dict:
+        """Write the node's config; returns the ``Swarm.add`` keyword arguments."""
         self.port = _free_port()
         cfg = swarm.root / f"{name}.toml"
         section = "http" if gateway else "metrics"
         cfg.write_text(f'[{section}]\nlisten = "127.0.0.1:{self.port}"\n'
                        + (f'api_key = "{KEY}"\n' if gateway else "")
                        + '[tenants.public]\nvisibility = "public"\n')
-        self.proc: NodeProc = swarm.add(name, extra=["--config", str(cfg)], n_ctx=2048,
-                                        **kwargs)
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"authorization": f"Bearer {KEY}"} if gateway else {}
+        return {"extra": ["--config", str(cfg)], "n_ctx": 2048, **kwargs}
+
+    @classmethod
+    def add_many(cls, swarm: Swarm, specs: list[tuple[str, bool]], **kwargs) -> list[OpsNode]:
+        """``(name, gateway)`` nodes started together (``Swarm.add_many``)."""
+        nodes = [cls.__new__(cls) for _ in specs]
+        prepared = [(name, node._prepare(swarm, name, gateway, dict(kwargs)))
+                    for node, (name, gateway) in zip(nodes, specs, strict=True)]
+        for node, proc in zip(nodes, swarm.add_many(prepared), strict=True):
+            node.proc = proc
+        return nodes
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, headers=self.headers, timeout=30)
@@ -87,8 +100,7 @@ def swarm(tmp_path_factory):
     root = tmp_path_factory.mktemp("dashswarm")
     with Swarm(root) as s:
         a = OpsNode(s, "A", gateway=True)
-        b = OpsNode(s, "B", gateway=True, bootstrap=[a.proc.addr])
-        c = OpsNode(s, "C", gateway=False, bootstrap=[a.proc.addr])
+        b, c = OpsNode.add_many(s, [("B", True), ("C", False)], bootstrap=[a.proc.addr])
         wait_until(lambda: all(sum(p.up for p in peers(n.proc.addr).peers) == 2
                                for n in (a, b, c)),
                    timeout_s=60, what="every node to see the two others up")

@@ -34,8 +34,7 @@ def nodes(tmp_path_factory):
         # a gateway-wide key: the team tenant is private, and over HTTP a private tenant
         # needs a key (issue 14, finding 4)
         a = HttpNode(s, "A", api_key=SWARM_KEY)
-        b = HttpNode(s, "B", bootstrap=[a.proc.addr], api_key=SWARM_KEY)
-        c = HttpNode(s, "C", bootstrap=[a.proc.addr], api_key=SWARM_KEY)
+        b, c = HttpNode.add_many(s, "BC", bootstrap=[a.proc.addr], api_key=SWARM_KEY)
         wait_until(lambda: all(sum(p.up for p in peers(n.proc.addr).peers) == 2
                                for n in (a, b, c)),
                    timeout_s=30, what="every node to see the two others up")
