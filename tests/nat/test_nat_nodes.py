@@ -112,6 +112,7 @@ class Mesh:
         self.lan: dict[str, str] = {}  # name -> an address a client in its namespace dials
         self.clients: dict[str, LabClient] = {}
         self.figures: dict = {}
+        self.entry_holds: set[str] = set()  # prefixes A came to serve itself (figures mode)
 
     def start(self, specs: list[tuple[str, str, str, list[str]]]) -> None:
         """Start nodes (name, namespace, listen ip, bootstrap) in parallel."""
@@ -218,6 +219,7 @@ def _served_from_cache(mesh: Mesh, holder: str, system: str, tag: str) -> list[d
         if i > 0 and ans["serving"] != mesh.nodes[holder].peer_b58:
             # figures only: the entry's planner, on its measured rates, may now find a
             # local prefill as good (it then holds the prefix itself): stop measuring
+            mesh.entry_holds.add(system)
             break
         assert ans["serving"] == mesh.nodes[holder].peer_b58, ans["hops"]
         assert ans["cached_tokens"] >= ans["prompt_tokens"] // 2, ans
@@ -318,8 +320,9 @@ def test_a_home_whose_relays_die_reserves_at_another_and_is_reached_again(mesh):
     _knows_prefix(mesh, "A", "B", 1)
     t_seen = time.monotonic()
     ans = mesh.client("A").ask(mesh.lan["A"], RULES, "Again, which dome?")
-    assert ans["serving"] == mesh.nodes["B"].peer_b58, ans["hops"]
-    assert ans["cached_tokens"] > 0
+    if RULES not in mesh.entry_holds:  # else A serves its own copy (figures mode only)
+        assert ans["serving"] == mesh.nodes["B"].peer_b58, ans["hops"]
+        assert ans["cached_tokens"] > 0
     mesh.figures["relay_failover"] = {
         "killed": dying, "b_reserved_again_s": round(t_reserved - t_kill, 2),
         "a_sees_b_again_s": round(t_seen - t_kill, 2),
