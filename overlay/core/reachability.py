@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import cbor2
 
 from . import cbor
+from .relaying import PRIVATE_NETS
 
 __all__ = [
     "PROTOCOL",
@@ -108,10 +109,9 @@ NAT_KINDS = ("unknown", "port-preserving", "symmetric")
 _MSG_REQUEST = 1
 _MSG_ANSWER = 2
 _MAX_ITEMS = 64  # CBOR items in the largest valid message: 4 results of 4 items plus heads
-_LAN_NETS = tuple(ipaddress.ip_network(n) for n in (
-    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8",
-    "169.254.0.0/16", "0.0.0.0/8", "::1/128", "fc00::/7", "fe80::/10", "::/128",
-))
+# the NAT'd ranges (relaying.PRIVATE_NETS) plus loopback and "this network"
+_LAN_NETS = PRIVATE_NETS + tuple(ipaddress.ip_network(n) for n in (
+    "127.0.0.0/8", "0.0.0.0/8", "::1/128", "::/128"))
 
 
 class DialbackError(ValueError):

@@ -77,7 +77,7 @@ RELAY_RETRY_S = 30.0
 
 _CIRCUIT = "/p2p-circuit"
 # RFC 1918, CGNAT (RFC 6598), link-local, IPv6 ULA and link-local: behind someone's NAT
-_PRIVATE_NETS = tuple(ipaddress.ip_network(n) for n in (
+PRIVATE_NETS = tuple(ipaddress.ip_network(n) for n in (
     "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16",
     "fc00::/7", "fe80::/10"))
 
@@ -126,7 +126,7 @@ def is_private_ip(ip: str) -> bool:
         a = ipaddress.ip_address(ip)
     except ValueError:
         return False
-    return any(a in net for net in _PRIVATE_NETS if net.version == a.version)
+    return any(a in net for net in PRIVATE_NETS if net.version == a.version)
 
 
 def _is_loopback(ip: str) -> bool:
