@@ -4,10 +4,10 @@ are exercised by test_planner_differential.py and test_routing.py."""
 
 from __future__ import annotations
 
+from _planner_stub import StubView
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.core.digest import LoadFigures
 from prefixmesh.overlay.core.planner import (
     Forward,
     PeerLink,
@@ -15,7 +15,6 @@ from prefixmesh.overlay.core.planner import (
     Planner,
     Reject,
     Serve,
-    ViewAnswer,
     fits_context,
 )
 from prefixmesh.overlay.core.routing import make_policy
@@ -23,28 +22,6 @@ from prefixmesh.overlay.core.routing import make_policy
 ME, SMALL, BIG = b"me", b"small", b"big"
 NS = b"n" * 8
 CHAIN = tuple(bytes([i]) * 8 for i in range(40))
-
-
-class StubView:
-    """A full-replication view over fixed facts (pure-logic unit test)."""
-
-    def __init__(self, matches):
-        self.matches = matches
-
-    def known(self, ns, chain, now, carried=None):
-        return ViewAnswer(dict(self.matches), (), "index")
-
-    def load_of(self, peer):
-        return LoadFigures(0, 0, 500.0, 100.0)
-
-    def vouches(self, peer):
-        return True
-
-    def namespace_holders(self, ns):
-        return set(self.matches)
-
-    def known_peers(self):
-        return list(self.matches)
 
 
 def _plan(prompt_tokens: int, *, here: bool, context: int | None, peers: dict):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import random
 
+from _planner_stub import StubView
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.core.digest import LoadFigures
 from prefixmesh.overlay.core.planner import (
     DEFAULT_RTT_S,
     RELAY_EXTRA_RTT_S,
@@ -18,7 +18,6 @@ from prefixmesh.overlay.core.planner import (
     PlanInput,
     Planner,
     Serve,
-    ViewAnswer,
     link_cost_s,
 )
 from prefixmesh.overlay.core.routing import make_policy
@@ -26,28 +25,6 @@ from prefixmesh.overlay.core.routing import make_policy
 ME = b"me"
 NS = b"n" * 8
 CHAIN = tuple(bytes([i]) * 8 for i in range(40))
-
-
-class StubView:
-    """A full-replication view over fixed facts (pure-logic unit test)."""
-
-    def __init__(self, matches):
-        self.matches = matches
-
-    def known(self, ns, chain, now, carried=None):
-        return ViewAnswer(dict(self.matches), (), "index")
-
-    def load_of(self, peer):
-        return LoadFigures(0, 0, 500.0, 100.0)
-
-    def vouches(self, peer):
-        return True
-
-    def namespace_holders(self, ns):
-        return set(self.matches)
-
-    def known_peers(self):
-        return list(self.matches)
 
 
 def _plan(links: dict, matches: dict, *, local_matched: int = 0, seed: int = 0):
