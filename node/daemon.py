@@ -389,8 +389,8 @@ class Node:
         log.info("advertising %s", ", ".join(addrs) or "no address")
         if self.ae is not None:
             self.ae.set_local_addrs(addrs)
-            if self.exchange is not None and self.pd is None:
-                self.ae.restate(time.time())
+        if self.replication is not None:  # full: one fresh record; partial: every stream
+            self.replication.set_local_addrs(addrs, time.time())
 
     def _before_tick(self, now: float) -> None:
         repl = self.replication
@@ -547,7 +547,7 @@ class Node:
         full-replication stream but with the partition's model fingerprint and the long
         partition refresh/TTL (``[digest].partition_refresh_s`` / ``partition_ttl_s``)."""
         dc = self.config.digest
-        identity, addrs = self.identity, self.advertised_addrs()
+        identity = self.identity
 
         def make_stream(fp: bytes, at: float) -> AntiEntropy:
             # epoch: the stream's creation time (ms), later than any earlier incarnation's
@@ -558,7 +558,7 @@ class Node:
                 now=at,
                 ttl=dc.partition_ttl_s,
                 refresh_interval=(refresh := min(dc.partition_refresh_s, dc.partition_ttl_s / 2)),
-                addrs=addrs,
+                addrs=self.advertised_addrs(),  # now: relays may have changed them
                 compaction_ratio=dc.compaction_ratio,
                 min_record_interval=min(dc.min_record_interval_s, refresh / 2),
             )

@@ -328,6 +328,13 @@ class PartitionedDigest:
         if chain:
             self._stream(self.partition(ns, chain), now).local_remove_prefix(ns, chain)
 
+    def set_local_addrs(self, addrs: Sequence[str]) -> None:
+        """Our addresses changed (a relay came or went): every stream states them in a
+        fresh snapshot at the next tick, so homes stop handing out the old ones."""
+        for ae in self.streams.values():
+            ae.set_local_addrs(addrs)
+        self._fresh.update(self.streams)
+
     def set_local_load(self, load: LoadFigures, kv_capacity_bytes: int, kv_used_bytes: int) -> None:
         self._load = (load, kv_capacity_bytes, kv_used_bytes)
         for ae in self.streams.values():

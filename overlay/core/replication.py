@@ -38,6 +38,8 @@ class Replication(Protocol):
 
     def set_local_load(self, load: LoadFigures, capacity: int, used: int) -> None: ...
 
+    def set_local_addrs(self, addrs: Sequence[str], now: float) -> None: ...
+
 
 class FullReplication:
     __slots__ = ("ae", "view")
@@ -55,6 +57,11 @@ class FullReplication:
     def set_local_load(self, load: LoadFigures, capacity: int, used: int) -> None:
         self.ae.set_local_load(load, capacity, used)
 
+    def set_local_addrs(self, addrs: Sequence[str], now: float) -> None:
+        """New addresses go out in a fresh record now (the exchange gossips it)."""
+        self.ae.set_local_addrs(addrs)
+        self.ae.restate(now)
+
 
 class PartialReplication:
     __slots__ = ("pd", "view")
@@ -71,3 +78,7 @@ class PartialReplication:
 
     def set_local_load(self, load: LoadFigures, capacity: int, used: int) -> None:
         self.pd.set_local_load(load, capacity, used)
+
+    def set_local_addrs(self, addrs: Sequence[str], now: float) -> None:
+        """Every partition stream restates with the new addresses at the next tick."""
+        self.pd.set_local_addrs(addrs)

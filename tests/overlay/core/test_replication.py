@@ -81,3 +81,22 @@ def test_load_reaches_every_stream():
     streams = [full.ae, *partial.pd.streams.values()]
     assert len(streams) >= 2
     assert all(ae._load == load for ae in streams)
+
+
+def test_new_addresses_go_out_in_fresh_records_in_both_modes():
+    """A relay came or went: the next records carry the new addresses at once (full: a
+    snapshot now; partial: every partition stream restates at its next tick)."""
+    relayed = ("/ip4/198.18.0.1/tcp/4001/p2p/Relay/p2p-circuit",)
+    full, partial = _full(), _partial()
+    full.add(NS, _chain(1, 4), 0.0)
+    full.ae.tick(0.0)
+    partial.add(NS, _chain(1, 4), 0.0)
+    partial.add(NS, _chain(200, 4), 0.0)
+    partial.pd.tick(0.0)
+    assert not partial.pd.tick(1.0)  # nothing due: refresh is 200 s away
+    full.set_local_addrs(relayed, 1.0)
+    partial.set_local_addrs(relayed, 1.0)
+    assert full.ae.held_records(IDENT.peer_id)[-1].record.addrs == relayed
+    issued = partial.pd.tick(2.0)
+    assert len(issued) == len(partial.pd.streams) >= 2
+    assert all(r.addrs == relayed for r in issued)
