@@ -66,6 +66,7 @@ from .core.limits import (
     PeerRateLimiter,
     SubnetLimiter,
 )
+from .core.models import relay_affinity
 from .core.peerindex import PeerCacheIndex
 from .core.planner import (
     FullView,
@@ -92,6 +93,8 @@ from .spotcheck import SpotCheckRunner
 __all__ = ["InferSettings", "InferService", "RETRYABLE_CODES"]
 
 log = logging.getLogger(__name__)
+
+RELAY_RTT_STEP_S = 0.05  # a model relay treats peers within one step of RTT as equally near
 
 @dataclass
 class InferSettings:
@@ -631,9 +634,15 @@ class InferService:
         and tokenizer are our model's); passed on as it is to up peers that announced
         that model (heartbeat PONGs), least loaded first, which plan it among themselves."""
         visited = set(req.visited) | {self.me}
+        head = req.messages[0].content if req.messages else ""
+        # least loaded first (one request running is free: a PONG taken while our last
+        # request ran there must not send the next one away from its cache); among peers
+        # alike in load and distance (RTT in 50 ms steps) the same prompt head goes to the
+        # same peer, which then has its prefix cached
         ranked = sorted(
-            ((h.queue_depth + h.active, h.rtt_s if h.rtt_s is not None else 1.0,
-              self._rng.random(), p)
+            ((max(0, h.queue_depth + h.active - 1),
+              round((h.rtt_s if h.rtt_s is not None else 1.0) / RELAY_RTT_STEP_S),
+              relay_affinity(req.ns, head, p), p)
              for p, h in self.heartbeat.health.items()
              if h.up and p not in visited and getattr(h, "model", b"") == req.model))
         if not ranked or req.hop_budget <= 0:

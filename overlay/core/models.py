@@ -20,10 +20,12 @@ most :data:`MAX_MODELS_LISTED` models (the local one always among them).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "AFFINITY_HEAD_CHARS",
     "LOCAL_ALIAS",
     "MAX_MODEL_FP_BYTES",
     "MAX_MODEL_NAME_CHARS",
@@ -32,6 +34,7 @@ __all__ = [
     "NAME_CHARS",
     "ModelEntry",
     "catalog",
+    "relay_affinity",
     "fallback_name",
     "model_name_from_path",
     "resolve",
@@ -145,3 +148,17 @@ def resolve(query: str, entries: Sequence[ModelEntry]) -> ModelEntry | None:
         return None
     # the local model first, then most nodes (catalog order already is)
     return min(named, key=lambda e: (not e.local, -e.nodes, e.fingerprint))
+
+
+# The relay of a request for another model cannot tokenize it (another tokenizer), so it
+# sends requests whose prompts start alike to the same node, where their prefix is cached:
+# the first characters of the prompt (a system prompt, a document) are its likely prefix.
+AFFINITY_HEAD_CHARS = 512
+
+
+def relay_affinity(ns: bytes, head: str, peer: bytes) -> int:
+    """Rendezvous rank of ``peer`` for a prompt starting with ``head`` (lower first): the
+    same prompt head picks the same peer among equally loaded ones, and a peer leaving
+    moves only the heads it ranked first."""
+    key = hashlib.sha256(b"%d:%s|%s|%s" % (len(ns), ns, head[:AFFINITY_HEAD_CHARS].encode(), peer))
+    return int.from_bytes(key.digest()[:8], "big")

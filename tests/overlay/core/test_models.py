@@ -146,3 +146,21 @@ def test_largest_peers_reply_with_models_fits_the_item_cap():
                          {f"k{i}": i for i in range(256)}, models=entries)
     frame = w.encode_frame(reply)
     assert w.decode_body(frame[4:]) == reply
+
+
+@given(st.binary(min_size=8, max_size=8), st.text(max_size=600),
+       st.lists(st.binary(min_size=1, max_size=8), min_size=2, max_size=6, unique=True))
+def test_relay_affinity_is_stable_and_a_leaving_peer_moves_only_its_own_heads(ns, head, peers):
+    from prefixmesh.overlay.core.models import AFFINITY_HEAD_CHARS, relay_affinity
+
+    def first(ps):
+        return min(ps, key=lambda p: relay_affinity(ns, head, p))
+
+    chosen = first(peers)
+    assert first(list(reversed(peers))) == chosen  # order of the peer list is irrelevant
+    # only the head counts: a question after a long shared prompt does not move the choice
+    long_head = ((head or "x") * AFFINITY_HEAD_CHARS)[:AFFINITY_HEAD_CHARS]
+    assert min(peers, key=lambda p: relay_affinity(ns, long_head, p)) == min(
+        peers, key=lambda p: relay_affinity(ns, long_head + "and the question?", p))
+    other = next(p for p in peers if p != chosen)
+    assert first([p for p in peers if p != other]) == chosen  # another peer left: no move
