@@ -392,7 +392,8 @@ class RecheckSchedule:
         if self._last is None or frozenset(addrs) != self._addrs:
             return True
         wait = self.interval_s if self._settled else self.retry_s
-        return now - self._last >= wait
+        # the deadline as next_in computes it ((t + w) - t may round below w)
+        return now >= self._last + wait
 
     def checked(self, now: float, addrs: Sequence[str], result: Reachability) -> None:
         self._last = now
