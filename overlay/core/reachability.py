@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import cbor2
 
 from . import cbor
-from .relaying import PRIVATE_NETS
+from .relaying import PRIVATE_NETS, ip_in_nets
 
 __all__ = [
     "PROTOCOL",
@@ -246,11 +246,7 @@ def addr_port(addr: str) -> int | None:
 
 def is_lan_ip(ip: str) -> bool:
     """True for addresses only neighbours can reach (RFC 1918, CGNAT, loopback, link-local)."""
-    try:
-        a = ipaddress.ip_address(ip)
-    except ValueError:
-        return True
-    return any(a in net for net in _LAN_NETS if net.version == a.version)
+    return ip_in_nets(ip, _LAN_NETS, invalid=True)
 
 
 def subnet_key(ip: str) -> str:

@@ -120,13 +120,18 @@ def ip_of(addr: str) -> str | None:
         return None
 
 
-def is_private_ip(ip: str) -> bool:
-    """True for addresses behind somebody's NAT (module docstring); False for loopback."""
+def ip_in_nets(ip: str, nets, *, invalid: bool) -> bool:
+    """Whether ``ip`` lies in one of ``nets``; ``invalid`` for text that is no IP."""
     try:
         a = ipaddress.ip_address(ip)
     except ValueError:
-        return False
-    return any(a in net for net in PRIVATE_NETS if net.version == a.version)
+        return invalid
+    return any(a in net for net in nets if net.version == a.version)
+
+
+def is_private_ip(ip: str) -> bool:
+    """True for addresses behind somebody's NAT (module docstring); False for loopback."""
+    return ip_in_nets(ip, PRIVATE_NETS, invalid=False)
 
 
 def _is_loopback(ip: str) -> bool:
