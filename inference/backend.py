@@ -130,6 +130,8 @@ class Backend(Protocol):
 
     async def tokenize(self, messages: Sequence[tuple[str, str]]) -> tuple[int, ...]: ...
 
+    async def tokenize_text(self, text: str) -> tuple[int, ...]: ...
+
     async def match_length(self, ns: bytes, tokens: Sequence[int]) -> int: ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | Completion]: ...
@@ -211,6 +213,10 @@ class SimulatedBackend:
 
     async def tokenize(self, messages: Sequence[tuple[str, str]]) -> tuple[int, ...]:
         text = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+        return tuple(text.encode("utf-8"))
+
+    async def tokenize_text(self, text: str) -> tuple[int, ...]:
+        """A raw prompt's tokens: its UTF-8 bytes."""
         return tuple(text.encode("utf-8"))
 
     async def match_length(self, ns: bytes, tokens: Sequence[int]) -> int:
@@ -355,6 +361,10 @@ class LlamaBackend:
         except ChatError as exc:
             raise BackendError(str(exc)) from None
         return tuple(rendered.tokens)
+
+    async def tokenize_text(self, text: str) -> tuple[int, ...]:
+        """A raw prompt (a completion's) as it is: special tokens parsed, no BOS added."""
+        return tuple(await trio.to_thread.run_sync(self.engine.tokenize, text))
 
     async def check_grammar(self, grammar: str) -> None:
         """Raise :class:`BackendInvalidRequest` if the engine cannot compile ``grammar``."""
