@@ -928,6 +928,9 @@ def _wire_frames() -> list[Any]:
             ),
             stats={"records_applied": 10, "rejected_BadSignature": 1},
         ),
+        # a raw-prompt completion for another model: text instead of messages and tokens
+        w.Request(id=b"r3", ns=b"n" * 8, prompt="Once upon a time", model=MODEL_FP,
+                  deadline=NOW),
     ]
 
 

@@ -30,7 +30,8 @@ subclass and the stream is dropped; nothing is truncated silently):
   any body byte is buffered, so a :class:`FrameDecoder` never holds more than
   ``4 + MAX_FRAME_BYTES`` bytes.
 * :data:`MAX_MESSAGES` chat messages, :data:`MAX_TEXT_CHARS` characters per message
-  (and per streamed text chunk), :data:`MAX_PROMPT_TOKENS` prompt token ids,
+  (and per streamed text chunk), :data:`MAX_PROMPT_CHARS` characters of raw prompt text,
+  :data:`MAX_PROMPT_TOKENS` prompt token ids,
   :data:`MAX_CHUNK_TOKENS` token ids per TOKENS frame.
 * :data:`MAX_HOPS` entries in a route trace, in the visited list, and as hop budget.
 * :data:`MAX_CARRIED_HOLDERS` holders carried on a forwarded request (partitioned digests).
@@ -68,6 +69,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "MAX_MESSAGES",
     "MAX_TEXT_CHARS",
+    "MAX_PROMPT_CHARS",
     "MAX_PROMPT_TOKENS",
     "MAX_CHUNK_TOKENS",
     "MAX_HOPS",
@@ -124,6 +126,9 @@ MAX_FRAME_BYTES = 512 * 1024
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 128 * 1024
 MAX_PROMPT_TOKENS = 32_768
+# a raw-prompt completion for another model travels as text to a node of that model (only
+# it has the tokenizer); as long as a message may be, ~32k tokens of English
+MAX_PROMPT_CHARS = MAX_TEXT_CHARS
 MAX_CHUNK_TOKENS = 1024
 MAX_HOPS = 16
 MAX_SHORT_STRING = 256
@@ -275,6 +280,10 @@ class Request:
     # the fingerprint of the model asked for (key "mo", omitted when empty: the model of
     # the node that receives it); a node of another model passes it to nodes of this one
     model: bytes = b""
+    # a raw-prompt completion's text (key "pr", omitted when empty), instead of messages
+    # and tokens: the first node of the request's model tokenizes it as it is (with its
+    # own tokenizer, special tokens parsed, no BOS added) and sends token ids on
+    prompt: str = ""
 
 
 @dataclass(frozen=True)
@@ -424,6 +433,8 @@ def _request_obj(frame: Request) -> dict[str, Any]:
         obj["lp"] = frame.logprobs
     if frame.model:
         obj["mo"] = frame.model
+    if frame.prompt:
+        obj["pr"] = frame.prompt
     return obj
 
 
@@ -706,11 +717,15 @@ def _sampling(v: Any) -> Sampling:
 
 def _request_from(obj: dict) -> Request:
     keys = ("t", "id", "ns", "cr", "msg", "tok", "s", "dl", "hb", "v", "tr", "st")
-    f = _Fields(obj, "request", (*keys, *(k for k in ("ho", "gr", "lp", "mo") if k in obj)))
+    optional = ("ho", "gr", "lp", "mo", "pr")
+    f = _Fields(obj, "request", (*keys, *(k for k in optional if k in obj)))
     messages = _messages(f)
     tokens = _token_ids(f, "tok", MAX_PROMPT_TOKENS)
-    if not messages and not tokens:
-        raise InvalidField("request: neither messages nor tokens")
+    prompt = _raw_prompt(f) if "pr" in obj else ""
+    if prompt and (messages or tokens):
+        raise InvalidField("request.pr: a raw prompt travels instead of messages and tokens")
+    if not messages and not tokens and not prompt:
+        raise InvalidField("request: neither messages, tokens nor a raw prompt")
     sampling = _sampling(obj["s"])
     visited = tuple(
         _bytes(v, f"request.v[{i}]", MAX_ID_BYTES) for i, v in enumerate(f.list("v", MAX_HOPS))
@@ -731,6 +746,7 @@ def _request_from(obj: dict) -> Request:
         grammar=_grammar(f) if "gr" in obj else "",
         logprobs=f.int("lp", 0, MAX_TOP_LOGPROBS) if "lp" in obj else -1,
         model=_model_fp(obj["mo"], "request.mo") if "mo" in obj else b"",
+        prompt=prompt,
     )
 
 
@@ -746,6 +762,13 @@ def _model_name(v: Any, what: str) -> str:
     if not valid_model_name(name):
         raise InvalidField(f"{what}: {name[:80]!r} is not a model name (core/models.py)")
     return name
+
+
+def _raw_prompt(f: _Fields) -> str:
+    text = f.str("pr", MAX_PROMPT_CHARS)
+    if not text:
+        raise InvalidField("request.pr: an empty raw prompt is sent by omitting the key")
+    return text
 
 
 def _grammar(f: _Fields) -> str:

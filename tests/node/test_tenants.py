@@ -266,3 +266,20 @@ def test_credential_binds_the_request_content():
             t.check_request(bad, now=NOW)
     with pytest.raises(TenantError, match="content digest"):
         make_credential(t.namespace_key, RID, NOW, b"short")
+
+
+def test_credential_binds_a_raw_prompt_for_another_model():
+    """Issue 18: a raw-prompt completion travels as text to a node of its model; a relay
+    (a node of another model) cannot change the text, the model, or swap in tokens."""
+    from dataclasses import replace
+
+    from prefixmesh.overlay.core import wire
+
+    t = Tenant.derive(private(), FP_A)
+    req = t.sign(wire.Request(id=RID, ns=t.ns_id, prompt="Once upon a time", model=FP_A,
+                              deadline=NOW + 30))
+    t.check_request(req, now=NOW)
+    for bad in (replace(req, prompt="Once upon a crime"), replace(req, model=b"\x01" * 16),
+                replace(req, prompt="", tokens=(1, 2, 3))):
+        with pytest.raises(ForgedCredential, match="does not match the request content"):
+            t.check_request(bad, now=NOW)

@@ -104,7 +104,20 @@ def test_relay_fields_are_request_fields_and_the_rest_is_content():
     names = {f.name for f in dataclasses.fields(wire.Request)}
     assert RELAY_FIELDS <= names
     assert {"id", "ns", "tokens", "messages", "sampling", "deadline", "stream",
-            "grammar", "logprobs"} <= set(CONTENT_FIELDS)
+            "grammar", "logprobs", "model", "prompt"} <= set(CONTENT_FIELDS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompt=st.text(min_size=1, max_size=80), other=st.text(min_size=1, max_size=80),
+       model=st.binary(min_size=1, max_size=32))
+def test_a_raw_prompt_is_content(prompt, other, model):
+    """A relay that swaps a raw prompt for another model's node (or drops it) changes
+    what the credential binds."""
+    req = wire.Request(id=b"i" * 16, ns=b"n" * 8, prompt=prompt, model=model, deadline=1e9)
+    if other != prompt:
+        assert content_digest(dataclasses.replace(req, prompt=other)) != content_digest(req)
+    as_tokens = dataclasses.replace(req, prompt="", tokens=tuple(prompt.encode()))
+    assert content_digest(as_tokens) != content_digest(req)
 
 
 def test_a_new_type_is_reported_clearly():

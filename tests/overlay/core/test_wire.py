@@ -55,6 +55,21 @@ requests = st.builds(
         lambda d: tuple(d.items())),
 )
 
+# raw-prompt completions for another model (issue 18): text instead of messages and tokens
+raw_prompt_requests = st.builds(
+    w.Request,
+    id=ids,
+    ns=ids,
+    credential=ids,
+    prompt=st.text(min_size=1, max_size=300),
+    model=st.binary(min_size=1, max_size=32),
+    deadline=st.floats(0.0, 2e9),
+    hop_budget=st.integers(0, w.MAX_HOPS),
+    visited=st.lists(ids, max_size=3).map(tuple),
+    trace=st.lists(hops, max_size=2).map(tuple),
+    stream=st.booleans(),
+)
+
 
 @st.composite
 def finals(draw):
@@ -75,6 +90,7 @@ def finals(draw):
 
 frames = st.one_of(
     requests,
+    raw_prompt_requests,
     st.builds(w.Tokens, text=st.text(max_size=100), token_ids=token_lists),
     finals(),
     st.just(w.End()),
@@ -361,3 +377,45 @@ def test_final_says_when_it_was_batched_and_omits_the_key_otherwise():
     body["b"] = False  # the canonical form omits it: False is refused
     with pytest.raises(w.InvalidField, match="final.b"):
         w.decode_body(cbor2.dumps(body, canonical=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw_prompt_requests)
+def test_a_raw_prompt_round_trips_and_is_omitted_from_other_requests(req):
+    body = w.encode_frame(req)[4:]
+    assert cbor2.loads(body)["pr"] == req.prompt
+    assert w.decode_body(body).prompt == req.prompt
+    # the key is absent (not empty) elsewhere: frames made before the field are unchanged
+    tokens_only = dataclasses.replace(req, prompt="", tokens=(1, 2))
+    assert "pr" not in cbor2.loads(w.encode_frame(tokens_only)[4:])
+
+
+def test_frames_without_a_raw_prompt_decode_as_before():
+    old = {"t": "req", "id": b"i", "ns": b"n", "cr": b"", "msg": [["user", "hi"]],
+           "tok": b"", "s": [8, 0.0, 1.0, 0], "dl": 1.0, "hb": 2, "v": [], "tr": [],
+           "st": True, "mo": b"fp"}  # a model-relay request as older nodes send it
+    req = w.decode_body(cbor2.dumps(old, canonical=True))
+    assert req.prompt == "" and req.messages == (w.Message("user", "hi"),)
+    assert w.encode_frame(req)[4:] == cbor2.dumps(old, canonical=True)
+
+
+def test_a_raw_prompt_is_bounded_and_travels_alone():
+    base = w._to_obj(w.Request(id=b"i", ns=b"n", prompt="Once upon", model=b"fp"))
+    assert w.decode_body(cbor2.dumps(base, canonical=True)).prompt == "Once upon"
+
+    def bad(change, error, match):
+        with pytest.raises(error, match=match):
+            w.decode_body(cbor2.dumps({**base, **change}, canonical=True))
+
+    bad({"pr": ""}, w.InvalidField, "empty raw prompt")
+    bad({"pr": b"bytes"}, w.InvalidField, "request.pr")
+    bad({"pr": 7}, w.InvalidField, "request.pr")
+    bad({"pr": "x" * (w.MAX_PROMPT_CHARS + 1)}, w.LimitExceeded, "request.pr")
+    bad({"msg": [["user", "hi"]]}, w.InvalidField, "instead of messages and tokens")
+    bad({"tok": w._pack_ids((1, 2))}, w.InvalidField, "instead of messages and tokens")
+    with pytest.raises(w.InvalidField, match="instead of"):  # the encoder checks it too
+        w.encode_frame(w.Request(id=b"i", ns=b"n", tokens=(1,), prompt="x"))
+    # the longest raw prompt fits a frame (ASCII; the sender refuses what does not)
+    longest = w.Request(id=b"i" * 16, ns=b"n" * 8, credential=b"c" * 32, model=b"f" * 32,
+                        prompt="a" * w.MAX_PROMPT_CHARS)
+    assert w.decode_body(w.encode_frame(longest)[4:]) == longest
