@@ -347,13 +347,18 @@ class RequestHandle:
     """A submitted request. Iterate it for :class:`TokenPiece` s; ``result()`` waits."""
 
     def __init__(self, rid: int, tokens: tuple[int, ...], ns: Namespace, params: SamplingParams,
-                 boundaries: tuple[int, ...], on_token: Callable[[TokenPiece], None] | None):
+                 boundaries: tuple[int, ...], on_token: Callable[[TokenPiece], None] | None,
+                 on_finish: Callable[[], None] | None = None):
         self.id = rid
         self.tokens = tokens
         self.ns = ns
         self.params = params
         self.boundaries = boundaries
         self.on_token = on_token
+        # called once, on the finishing thread, after the last piece and the result are set
+        # (a consumer that takes pieces from on_token learns the end here without a thread
+        # blocked in iteration: the node's backend hands both straight to its trio loop)
+        self.on_finish = on_finish
         self.submitted_at = time.perf_counter()
         self._cancel = threading.Event()
         self._done = threading.Event()
@@ -407,6 +412,11 @@ class RequestHandle:
         self._completion, self._error = completion, error
         self._done.set()
         self._pieces.put(_DONE)
+        if self.on_finish is not None:
+            try:
+                self.on_finish()
+            except Exception:
+                log.exception("on_finish callback of request %d failed", self.id)
 
 
 # --------------------------------------------------------------------------- engine
@@ -437,6 +447,7 @@ class Engine:
         self._batched = cfg.batch_mode == "throughput"
         self._n_seq = cfg.max_batch + 1 if self._batched else _N_SEQ
         self._running: set[RequestHandle] = set()
+        self._resident_max = _RESIDENT_SEQUENCES  # an attribute so that a probe can vary it
         # throughput mode: llama_decode calls, sequences and tokens over all of them
         # (and the most prompt tokens one step carried next to decoding sequences)
         self.batch_counters = {"steps": 0, "sequences": 0, "tokens": 0,
@@ -618,15 +629,18 @@ class Engine:
 
     def submit_chat(self, messages: object, ns: Namespace | None = None,
                     params: SamplingParams | None = None, *,
-                    on_token: Callable[[TokenPiece], None] | None = None) -> RequestHandle:
+                    on_token: Callable[[TokenPiece], None] | None = None,
+                    on_finish: Callable[[], None] | None = None) -> RequestHandle:
         rendered = self.render_chat(messages)
-        return self._submit(rendered.tokens, ns, params, rendered.boundaries, on_token)
+        return self._submit(rendered.tokens, ns, params, rendered.boundaries, on_token,
+                            on_finish)
 
     def submit_tokens(self, tokens: Sequence[int], ns: Namespace | None = None,
                       params: SamplingParams | None = None, *,
                       boundaries: Sequence[int] = (),
-                      on_token: Callable[[TokenPiece], None] | None = None) -> RequestHandle:
-        return self._submit(tuple(tokens), ns, params, tuple(boundaries), on_token)
+                      on_token: Callable[[TokenPiece], None] | None = None,
+                      on_finish: Callable[[], None] | None = None) -> RequestHandle:
+        return self._submit(tuple(tokens), ns, params, tuple(boundaries), on_token, on_finish)
 
     def chat(self, messages: object, ns: Namespace | None = None,
              params: SamplingParams | None = None, timeout: float | None = None) -> Completion:
@@ -639,7 +653,8 @@ class Engine:
 
     def _submit(self, tokens: tuple[int, ...], ns: Namespace | None,
                 params: SamplingParams | None, boundaries: tuple[int, ...],
-                on_token: Callable[[TokenPiece], None] | None) -> RequestHandle:
+                on_token: Callable[[TokenPiece], None] | None,
+                on_finish: Callable[[], None] | None = None) -> RequestHandle:
         if self._closed or not self._worker.is_alive():
             raise EngineClosed("the engine is closed")
         params = params or SamplingParams()
@@ -656,7 +671,8 @@ class Engine:
                 f"context of {self.n_ctx} tokens"
             )
         self.register_namespace(ns)
-        handle = RequestHandle(next(self._ids), tokens, ns, params, boundaries, on_token)
+        handle = RequestHandle(next(self._ids), tokens, ns, params, boundaries, on_token,
+                               on_finish)
         if params.grammar is not None:
             handle.grammar = self._compile_grammar(params.grammar)
         try:
@@ -1273,7 +1289,7 @@ class Engine:
             for slot in [s for s in slots if s.finish]:
                 slots.remove(slot)
                 if self._retire(slot, slot.finish):
-                    while len(self._idle) >= _RESIDENT_SEQUENCES:
+                    while len(self._idle) >= self._resident_max:
                         self._drop_idle(next(iter(self._idle)), free)  # least recently used
                     self._idle[slot.seq] = (slot.h.ns.id, slot.h.tokens)
                 else:

@@ -11,6 +11,7 @@ import trio
 from _model_fixture import TEST_THREADS, default_model_path
 
 from prefixmesh.inference.backend import Completion, GenerateRequest, LlamaBackend
+from prefixmesh.inference.engine import SamplingParams
 
 NS = b"n" * 8
 
@@ -34,3 +35,43 @@ def test_completions_say_whether_they_were_batched(mode):
     batched, done = trio.run(main)
     assert batched == (mode == "throughput")
     assert len(done) == 1 and done[0].batched == (mode == "throughput")
+
+
+def test_generate_streams_every_piece_in_order_and_a_stopped_consumer_cancels():
+    """Pieces reach the trio loop straight from the engine's worker (no thread per token):
+    all of them, in order, then the Completion; a consumer that stops early cancels the
+    engine request, and the engine serves the next one."""
+    async def main():
+        backend = LlamaBackend(model_path=default_model_path(), n_threads=TEST_THREADS,
+                               kv_dir=None, disk_budget_bytes=0, n_ctx=512)
+        await backend.load()
+        try:
+            backend.register_namespace("t", b"k" * 32, NS)
+            tokens = tuple(await backend.tokenize([("user", "Count from one to twenty.")]))
+            assert await backend.tokenize_text("Hello world") == tuple(
+                backend.engine.tokenize("Hello world"))
+            want = backend.engine.complete_tokens(tokens, backend._namespaces[NS],
+                                                  SamplingParams(max_tokens=12))
+            req = GenerateRequest(ns=NS, tokens=tokens, max_tokens=12)
+            async with contextlib.aclosing(backend.generate(req)) as events:
+                got = [ev async for ev in events]
+            long_req = GenerateRequest(ns=NS, tokens=tokens, max_tokens=400)
+            async with contextlib.aclosing(backend.generate(long_req)) as events:
+                async for _ in events:
+                    break  # the client went away after the first piece
+            with trio.fail_after(60):
+                while backend.engine.load().active:
+                    await trio.sleep(0.05)
+            async with contextlib.aclosing(backend.generate(req)) as events:
+                again = [ev async for ev in events]
+            return want, got, again
+        finally:
+            await backend.aclose()
+
+    want, got, again = trio.run(main)
+    for events in (got, again):
+        assert isinstance(events[-1], Completion)
+        chunks = events[:-1]
+        assert [t for c in chunks for t in c.token_ids] == want.tokens
+        assert "".join(c.text for c in chunks) == want.text
+        assert events[-1].completion_tokens == len(want.tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 from _model_fixture import TEST_THREADS, default_model_path
@@ -192,6 +193,19 @@ def test_streaming_pieces_and_stats(eng):
     load = eng.load()
     assert load.prefill_tps > 0 and load.decode_tps > 0
     assert load.queue_depth == 0 and load.active == 0
+
+
+def test_on_finish_runs_once_after_the_last_piece(eng):
+    events = []
+    h = eng.submit_chat(PROMPTS[3], params=SamplingParams(max_tokens=4),
+                        on_token=lambda piece: events.append(piece.token),
+                        on_finish=lambda: events.append(("done", h.done)))
+    c = h.result(timeout=120)
+    for _ in range(100):  # on_finish runs just after result() can return
+        if events and isinstance(events[-1], tuple):
+            break
+        time.sleep(0.05)
+    assert events == [*c.tokens, ("done", True)]
 
 
 def test_max_tokens_and_eos(eng):
