@@ -257,7 +257,8 @@ class GenerationJob:
     tool_chat: tuple | None = None
     logprobs: int = -1  # -1: none; else alternatives per token (0..20)
     # the fingerprint of another model of the mesh that must answer (b"": this node's);
-    # such a job is never tokenized or served here: its messages go to a node of it
+    # such a job is never tokenized or served here: its messages or raw prompt go as text
+    # to a node of it, which tokenizes them with its own tokenizer
     model: bytes = b""
 
 
@@ -1121,13 +1122,7 @@ class NodeGatewayBackend:
                 if job.tool_chat is not None and getattr(self.backend, "supports_tools", False):
                     return tuple(await self.backend.tokenize_chat(*job.tool_chat))
                 return tuple(await self.backend.tokenize(job.messages))
-            tokenize_text = getattr(self.backend, "tokenize_text", None)
-            if tokenize_text is not None:
-                return tuple(await tokenize_text(job.prompt))
-            engine = getattr(self.backend, "engine", None)
-            if engine is not None:
-                return tuple(await trio.to_thread.run_sync(engine.tokenize, job.prompt))
-            return tuple(job.prompt.encode("utf-8"))  # SimulatedBackend's byte tokens
+            return tuple(await self.backend.tokenize_text(job.prompt))
         except (BackendError, ValueError) as exc:
             raise BadRequest(f"cannot render the prompt: {exc}", code="invalid_prompt") from None
 
@@ -1150,10 +1145,10 @@ class NodeGatewayBackend:
         if tenant is None:
             raise NotFound(f"tenant {job.tenant!r} is not configured", code="tenant_not_found")
         if job.model:  # another model's: its node renders and tokenizes (our tokenizer is ours)
-            if job.prompt is not None:
-                raise BadRequest("a raw-prompt completion of another model than this node's "
-                                 "must enter at a node of that model; use /v1/chat/completions",
-                                 param="model", code="model_not_local")
+            if job.prompt is not None and len(job.prompt) > wire.MAX_PROMPT_CHARS:
+                raise BadRequest(f"the prompt has {len(job.prompt)} characters, more than the "
+                                 f"{wire.MAX_PROMPT_CHARS} a prompt for another model's node "
+                                 "may carry", code="context_length_exceeded")
             tokens: tuple[int, ...] = ()
         else:
             tokens = await self._prompt_tokens(job)
@@ -1171,6 +1166,7 @@ class NodeGatewayBackend:
             id=request_id,
             ns=tenant.ns_id,
             messages=tuple(wire.Message(r, c) for r, c in job.messages) if job.model else (),
+            prompt=(job.prompt or "") if job.model else "",  # raw text: tokenized there
             model=job.model,
             tokens=tokens,
             sampling=wire.Sampling(max_tokens=s.max_tokens, temperature=float(s.temperature),
@@ -1180,6 +1176,12 @@ class NodeGatewayBackend:
             grammar=job.grammar,
             logprobs=job.logprobs,
         ))
+        if job.model:  # its text travels: a frame over the wire's limits is refused here
+            try:
+                wire.encode_frame(req)
+            except wire.WireError as exc:
+                raise BadRequest(f"the prompt is too large to pass to a node of its model: "
+                                 f"{exc}", code="context_length_exceeded") from None
         send, recv = trio.open_memory_channel[Any](_EVENT_BUFFER)
         t_recv = self.infer.clock()  # the service's one clock (overlay/infer.py)
 

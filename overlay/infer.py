@@ -3,7 +3,8 @@
 Every node on a request's path decides for itself (no coordinator):
 
 1. check the request (deadline, loop, duplicate id, namespace credential);
-2. turn messages into prompt token ids once (the entry node; later hops get token ids);
+2. turn messages (or a raw prompt's text) into prompt token ids once (the entry node, or
+   the first node of the request's model; later hops get token ids);
 3. build a :class:`~prefixmesh.overlay.core.routing.RouteContext` (through the node's
    :class:`~prefixmesh.overlay.core.routing.RouterMemory`: ski-rental rent and smoothed
    placements, the same code the simulator drives) from its own radix-tree
@@ -476,8 +477,9 @@ class InferService:
             await self._relay_to_model(req, relay, t_recv)
             return
         # the first node of the request's model plans it as its entry (looks up, checks the
-        # context), also when a node of another model passed it on (still in messages)
-        first_planner = not req.trace or bool(req.messages)
+        # context), also when a node of another model passed it on (still in messages or
+        # raw text)
+        first_planner = not req.trace or bool(req.messages) or bool(req.prompt)
         tenant = self.tenants.lookup(req.ns)
         if tenant is not None:
             try:  # the credential binds id, deadline and content (overlay/core/reqdigest.py)
@@ -499,15 +501,22 @@ class InferService:
         tokens = req.tokens
         if not tokens:
             try:
-                tokens = await self.backend.tokenize([(m.role, m.content) for m in req.messages])
+                tokens = (await self.backend.tokenize_text(req.prompt) if req.prompt else
+                          await self.backend.tokenize([(m.role, m.content) for m in req.messages]))
             except (BackendError, ValueError) as exc:
                 await self._finish_error(relay, "bad_request", f"cannot render the prompt: {exc}")
                 return
-            if len(tokens) > wire.MAX_PROMPT_TOKENS:
-                await self._finish_error(relay, "bad_request", "prompt too long")
+            if not tokens:
+                await self._finish_error(relay, "bad_request", "the prompt is empty after "
+                                         "tokenization")
                 return
-        if req.messages:  # tokenized here (this node holds the secret): sign the new form
-            req = tenant.sign(replace(req, tokens=tuple(tokens), messages=()))
+            if len(tokens) > wire.MAX_PROMPT_TOKENS:
+                await self._finish_error(relay, "context_length_exceeded",
+                                         f"the prompt has {len(tokens)} tokens, more than "
+                                         f"{wire.MAX_PROMPT_TOKENS}")
+                return
+        if req.messages or req.prompt:  # tokenized here (we hold the secret): sign the new form
+            req = tenant.sign(replace(req, tokens=tuple(tokens), messages=(), prompt=""))
 
         plan, hop_base = await self._plan(req, tenant, first_planner)
         if isinstance(plan, Reject):
@@ -598,7 +607,9 @@ class InferService:
             avg_request_s=avg_s,
             hop_budget=req.hop_budget,
             visited=visited,
-            forwarded_in=bool(req.trace),
+            # a request a node of another model passed on came from a client as far as
+            # this model's nodes go: it must not make the first of them shed (routing.is_hot)
+            forwarded_in=bool(req.trace) and not entry,
             peers=peers,
             may_serve_here=tenant.may_serve(self.me) and fits_context(len(req.tokens), own_ctx),
             carried=dict(req.holders) if req.holders else None,
@@ -634,7 +645,7 @@ class InferService:
         and tokenizer are our model's); passed on as it is to up peers that announced
         that model (heartbeat PONGs), least loaded first, which plan it among themselves."""
         visited = set(req.visited) | {self.me}
-        head = req.messages[0].content if req.messages else ""
+        head = req.messages[0].content if req.messages else req.prompt
         # least loaded first (one request running is free: a PONG taken while our last
         # request ran there must not send the next one away from its cache); among peers
         # alike in load and distance (RTT in 50 ms steps) the same prompt head goes to the

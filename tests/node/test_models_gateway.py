@@ -59,3 +59,22 @@ def test_a_backend_that_knows_only_its_model_lists_it_as_before():
 def test_the_wire_unknown_model_error_is_a_404_model_not_found():
     err = _api_error(wire.Error("unknown_model", "no node serves it"))
     assert err.status == 404 and err.code == "model_not_found" and err.param == "model"
+
+
+def test_a_raw_prompt_for_another_model_goes_in_the_job_as_text():
+    """``/v1/completions`` and Ollama's raw ``/api/generate`` naming another model of the
+    mesh: the job carries the prompt text and that model (its node tokenizes it)."""
+    with running(MeshBackend()) as (gw, backend):
+        r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
+            "model": "other-model", "max_tokens": 2, "prompt": "Once upon a time"})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "other-model"
+        job = backend.jobs[-1]
+        assert (job.prompt, job.model, job.messages) == ("Once upon a time", FP_B, ())
+        r = httpx.post(gw.url + "/api/generate", timeout=10, json={
+            "model": "other-model", "prompt": "Once upon", "raw": True, "stream": False})
+        assert r.status_code == 200, r.text
+        assert (backend.jobs[-1].prompt, backend.jobs[-1].model) == ("Once upon", FP_B)
+        r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
+            "model": "no-such-model", "max_tokens": 2, "prompt": "Once"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

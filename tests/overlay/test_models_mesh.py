@@ -11,7 +11,10 @@ from prefixmesh.inference.backend import SimulatedBackend
 from prefixmesh.node.client import Client, RequestFailed
 from prefixmesh.node.config import load_config
 from prefixmesh.node.daemon import Node, NodeOptions
-from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.node.http_gateway import Finished, GenerationJob, NodeGatewayBackend
+from prefixmesh.node.openai_schema import BadRequest, SamplingOptions
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.identity import Identity, peer_id_to_b58
 from prefixmesh.overlay.discovery import mesh_key, providers_key
 
 FP_A, FP_B = b"A" * 16, b"B" * 16
@@ -44,6 +47,16 @@ async def _wait(predicate, timeout=15.0):
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.05)
+
+
+async def _raw_completion(node, prompt: str, model: bytes):
+    """A ``/v1/completions`` job through ``node``'s gateway backend, in process."""
+    gw = NodeGatewayBackend(infer=node.infer, backend=node.backend, tenants=node.tenants,
+                            node=node)
+    job = GenerationJob(tenant=node.tenants.names()[0], deadline_s=10.0, prompt=prompt,
+                        sampling=SamplingOptions(max_tokens=3, temperature=0.0), model=model)
+    async with gw.generation(job) as events:
+        return [ev async for ev in events if isinstance(ev, Finished)][0]
 
 
 def test_mesh_key_is_shared_and_distinct_from_model_keys():
@@ -88,6 +101,24 @@ def test_two_models_one_mesh(tmp_path):
                 with pytest.raises(RequestFailed) as err:
                     await ca.ask(prompt, model="c" * 32, max_tokens=3)
                 assert err.value.code == "unknown_model"
+            # a raw-prompt completion for model B, entered at A's gateway: its text goes to
+            # a node of B, which tokenizes it (A's tokenizer is A's); the repeat hits B's cache
+            raw = [await _raw_completion(a, SYSTEM + "Q: where is the light?", FP_B)
+                   for _ in range(2)]
+            assert {r.route["serving"] for r in raw} <= {peer_id_to_b58(b1.identity.peer_id),
+                                                         peer_id_to_b58(b2.identity.peer_id)}
+            assert "model relay" in raw[0].route["hops"][0]["reason"]
+            assert raw[0].usage.prompt_tokens == len((SYSTEM + "Q: where is the light?").encode())
+            assert raw[1].usage.cached_tokens > 0
+            assert a.infer.stats["served_local"] == 1  # only model A's own request above
+            # text the wire cannot carry is refused before routing (over MAX_PROMPT_CHARS,
+            # or a frame too large in UTF-8); text B's tokenizer finds too long, by B
+            for too_long in ("a" * (wire.MAX_PROMPT_CHARS + 1),
+                             "\U0001f600" * wire.MAX_PROMPT_CHARS,
+                             "\U0001f600" * (wire.MAX_PROMPT_TOKENS // 4 + 1)):
+                with pytest.raises(BadRequest) as bad:
+                    await _raw_completion(a, too_long, FP_B)
+                assert bad.value.code == "context_length_exceeded", bad.value.message
             async with Client.connect(b1.full_addrs()[0]) as cb:
                 # B's nodes never send a model-B request to the model-A node
                 for i in range(4):
