@@ -3,7 +3,8 @@
 Node A serves the embedded SmolLM2-135M-Instruct Q4_1; node B serves its Q4_0
 requantization (tests/_second_model.py: another GGUF fingerprint). A request for model B
 entered at A (its HTTP gateway, or the libp2p client) is passed to B, never served or
-matched at A, and B's prefix cache answers the second one; ``GET /v1/models`` on A lists
+matched at A, and B's prefix cache answers the second one; so is a raw-prompt completion
+(its text travels, B tokenizes it); ``GET /v1/models`` on A lists
 both models with their node counts; a model nobody serves is a 404 ``model_not_found``
 (HTTP) and a clear ``ModelNotFound`` (client). Figures: docs/BENCHMARKS.md, "Two models".
 """
@@ -90,6 +91,44 @@ def test_model_b_at_a_is_served_by_b_with_cached_tokens_the_second_time(mesh):
     assert status["served_local"] == 0  # A never served (nor matched) model B's requests
     print(f"\ntwo models: model B via A, first {t1:.2f} s, second {t2:.2f} s, cached "
           f"{usage['prompt_tokens_details']['cached_tokens']}/{usage['prompt_tokens']} tokens")
+
+
+def _complete(a: HttpNode, model: str, prompt: str) -> tuple[httpx.Response, float]:
+    t0 = time.perf_counter()
+    r = httpx.post(a.url + "/v1/completions", timeout=120, json={
+        "model": model, "max_tokens": 4, "temperature": 0, "prompt": prompt})
+    return r, time.perf_counter() - t0
+
+
+def test_a_raw_prompt_for_model_b_at_a_is_tokenized_and_served_by_b(mesh):
+    """A raw-prompt completion travels as text (A's tokenizer is A's) and B tokenizes it."""
+    a, b, _ = mesh
+    served_before = _infer_stats(a)["served_local"]
+    text = "Lighthouse log. " + SYSTEM + "Entry for tonight:"
+    first, t1 = _complete(a, SECOND_MODEL_NAME, text)
+    assert first.status_code == 200, first.text
+    body = first.json()
+    route = body["prefixmesh"]["route"]
+    assert route["serving"] == b.peer_b58 and route["entry"] == a.proc.peer_b58
+    assert "model relay" in route["hops"][0]["reason"]
+    assert body["model"] == SECOND_MODEL_NAME and body["object"] == "text_completion"
+    # B's tokenizer, not a byte count: the same text as chat content is about as long
+    assert 0 < body["usage"]["prompt_tokens"] < len(text) / 2
+    second, t2 = _complete(a, SECOND_MODEL_NAME, text + " calm seas")
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    assert second.json()["prefixmesh"]["route"]["serving"] == b.peer_b58
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0, usage
+    assert _infer_stats(a)["served_local"] == served_before  # never served at A
+    r = httpx.post(a.url + "/v1/completions", timeout=30, json={
+        "model": "no-such-model", "max_tokens": 2, "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    print(f"\ntwo models, raw prompt: model B via A, first {t1:.2f} s, second {t2:.2f} s, "
+          f"cached {usage['prompt_tokens_details']['cached_tokens']}/{usage['prompt_tokens']}")
+
+
+def _infer_stats(a: HttpNode) -> dict:
+    return httpx.get(a.url + "/prefixmesh/status", timeout=10).json()["infer"]
 
 
 def test_the_client_names_a_model_and_a_missing_one_is_clear(mesh):
