@@ -46,7 +46,8 @@ function renderSelf(me) {
   const inf = me.infer || {};
   const facts = [
     ["peer id", me.peer_id], ["addresses", (me.addrs || []).join("  ")],
-    ["model", me.model], ["policy", me.policy],
+    ["model", me.model_name ? `${me.model_name} (${me.model})` : me.model],
+    ["policy", me.policy],
     ["uptime", me.uptime_s == null ? "-" : `${Math.round(me.uptime_s)} s`],
     ["reachability", me.reachability ? me.reachability.line +
       (me.reachability.nat && me.reachability.nat !== "unknown" ? ` (NAT ${me.reachability.nat})` : "")
@@ -68,6 +69,19 @@ function renderSelf(me) {
     `KV cache (RAM) ${size(used)} of ${size(cap)}`;
 }
 
+function renderModels(models) {
+  // the mesh's models now, as GET /v1/models lists them: this node's first, then by nodes
+  const total = models.reduce((n, m) => n + (m.nodes || 0), 0);
+  document.getElementById("models-count").textContent =
+    `${models.length} model${models.length === 1 ? "" : "s"}, ${total} node${total === 1 ? "" : "s"}`;
+  document.getElementById("models-body").replaceChildren(...models.map((m) => el("tr",
+    { class: "model", "data-model": m.fingerprint, "data-nodes": String(m.nodes) },
+    el("td", {}, m.name, m.local ? el("span", { class: "small here" }, " this node's") : ""),
+    el("td", { class: "mono", title: m.fingerprint }, (m.fingerprint || "").slice(0, 16)),
+    el("td", { class: "num" }, m.nodes),
+  )));
+}
+
 function renderPeers(peers) {
   const up = peers.filter((p) => p.up).length;
   document.getElementById("peers-count").textContent = `${up} up of ${peers.length}`;
@@ -75,6 +89,7 @@ function renderPeers(peers) {
     { class: "peer", "data-peer": p.peer_id, title: (p.addrs || []).join("\n") },
     el("td", { class: "mono", title: p.peer_id }, `…${p.peer_id.slice(-12)}`),
     el("td", { class: p.up ? "up" : "down" }, p.up ? "up" : "down"),
+    el("td", { class: "peer-model" }, p.model),
     el("td", { class: "num" }, fixed(p.rtt_ms, 1)),
     el("td", { class: "num" }, p.queue_depth),
     el("td", { class: "num" }, p.active),
@@ -145,6 +160,7 @@ async function poll() {
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     const ov = await resp.json();
     renderSelf(ov.node);
+    renderModels(ov.node.models || []);
     renderPeers(ov.peers);
     renderCache(ov.namespaces, ov.cache);
     renderRecent(ov.recent);

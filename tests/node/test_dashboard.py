@@ -148,3 +148,42 @@ def test_metrics_listen_config(tmp_path):
     path.write_text('[metrics]\nlisten = "nonsense"\n')
     with pytest.raises(ConfigError, match="metrics"):
         load_config(path)
+
+
+class MeshOpsBackend(OpsBackend):
+    """An overview of a node that sees two models, one peer of each, and a peer claiming
+    a model name with markup in it (the page must show it as text)."""
+
+    def overview(self) -> dict:
+        fp_a, fp_b = "aa" * 16, "bb" * 16
+        peer = {"addrs": [], "up": True, "rtt_ms": 1.0, "queue_depth": 0, "active": 0,
+                "cached_blocks": 0, "digest_age_s": None, "trust": None}
+        return {
+            "generated_at": 1.7e9,
+            "node": {"peer_id": ME.peer_id_b58, "model": fp_a[:16], "model_name": "model-a",
+                     "models": [
+                         {"name": "model-a", "fingerprint": fp_a, "nodes": 2, "local": True},
+                         {"name": "model-b", "fingerprint": fp_b, "nodes": 1, "local": False}]},
+            "peers": [{**peer, "peer_id": "12D3KooWpeerOfA", "model": "model-a"},
+                      {**peer, "peer_id": "12D3KooWpeerOfB", "model": "model-b"},
+                      {**peer, "peer_id": "12D3KooWliar", "model": "<img src=x onerror=1>"}],
+            "namespaces": [], "cache": {}, "recent": []}
+
+
+def test_the_dashboard_shows_the_mesh_models_and_each_peers_model_in_a_browser():
+    """The page's JavaScript in headless Chromium against the stand-in overview."""
+    from _browser import browser
+
+    with gateway(MeshOpsBackend()) as url:
+        done = browser(url + "/dashboard", "--dump-dom", budget_ms=3000)
+    dom = done.stdout
+    assert 'data-loaded="1"' in dom, (done.stderr[-3000:], dom[-3000:])
+    assert f'data-model="{"aa" * 16}" data-nodes="2"' in dom
+    assert f'data-model="{"bb" * 16}" data-nodes="1"' in dom
+    assert "2 models, 3 nodes" in dom
+    assert "model-a (aaaaaaaaaaaaaaaa)" in dom  # this node's model in its facts
+    assert '<span class="small here"> this node\'s</span>' in dom
+    peers = dom.split('id="peers-body"')[1].split("</tbody>")[0]
+    assert peers.count('<td class="peer-model">model-a</td>') == 1
+    assert peers.count('<td class="peer-model">model-b</td>') == 1
+    assert "&lt;img src=x onerror=1&gt;" in peers and "<img" not in dom  # text, not markup

@@ -18,11 +18,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
+from _browser import browser
 from _swarm import NodeProc, Swarm, peers, wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -187,31 +187,11 @@ def test_overview_lists_peers_prefixes_and_routes(swarm):
     assert all(r["route"] and r["error"] == "" for r in ov["recent"][:2])
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which(
-        "google-chrome")
-
-
-def _browser(url: str, *extra: str, budget_ms: int = 8000) -> subprocess.CompletedProcess:
-    exe = _chromium()
-    if exe is None:
-        pytest.skip("Chromium is not installed and cannot be here (make test installs the "
-                    "Debian package 'chromium' where apt-get works)")
-    with tempfile.TemporaryDirectory(prefix="pm-chromium-") as profile:
-        cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-               "--no-first-run", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
-               f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
-               "--window-size=1280,960", *extra, url]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, HOME=profile))
-
-
 def test_dashboard_in_headless_chromium_shows_peers_and_a_route(swarm, tmp_path):
     ns, s = swarm
     a, b, c = ns["A"], ns["B"], ns["C"]
     page = f"{b.url}/dashboard#key={KEY}"
-    done = _browser(page, "--dump-dom")
+    done = browser(page, "--dump-dom")
     dom = done.stdout
     assert 'data-loaded="1"' in dom, (done.stderr[-3000:], dom[-3000:])
     for other in (a, c):
@@ -219,9 +199,14 @@ def test_dashboard_in_headless_chromium_shows_peers_and_a_route(swarm, tmp_path)
     assert dom.count('class="request"') >= 1
     assert '<li class="hop">' in dom  # a route trace, one line per hop
     assert b.proc.peer_b58 in dom  # this node's id in the header
+    # the mesh's models (GET /v1/models' data): one model, served by the three nodes; and
+    # each peer's model in the peers table
+    fp = next(m for m in b.get("/v1/models").json()["data"] if m["id"] != "prefixmesh")
+    assert f'data-model="{fp["prefixmesh"]["fingerprint"]}" data-nodes="3"' in dom
+    assert dom.count('<td class="peer-model">SmolLM2-135M-Instruct.Q4_1</td>') == 2
     assert "observatory" not in dom  # prompt text never reaches the page
     shot = tmp_path / "dashboard.png"
-    done = _browser(page, f"--screenshot={shot}")
+    done = browser(page, f"--screenshot={shot}")
     assert shot.exists() and shot.stat().st_size > 10_000, done.stderr[-3000:]
     if os.environ.get("PREFIXMESH_UPDATE_DOCS") == "1":  # refresh docs/dashboard.png on demand
         shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
