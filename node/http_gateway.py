@@ -19,7 +19,9 @@ How a request enters the mesh
     protocol handler calls for a stream from a client), so it is routed hop by hop and
     answered by whichever node holds the prefix. The prompt is tokenized here, once (the
     entry node does it anyway), which gives exact ``prompt_tokens`` and lets
-    ``/v1/completions`` send a raw prompt string.
+    ``/v1/completions`` send a raw prompt string. A request for another model of the mesh
+    is not: its messages or raw prompt text travel to a node of that model, which
+    tokenizes them with its own tokenizer (the usage comes from its FINAL).
 
 Cancellation
     The frames of a request flow through a bounded memory channel from the pipeline task to
