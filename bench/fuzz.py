@@ -931,6 +931,8 @@ def _wire_frames() -> list[Any]:
         # a raw-prompt completion for another model: text instead of messages and tokens
         w.Request(id=b"r3", ns=b"n" * 8, prompt="Once upon a time", model=MODEL_FP,
                   deadline=NOW),
+        # a serving node's first TOKENS frame: the prompt and cached counts come with it
+        w.Tokens(text="Once", token_ids=(7454,), prompt_tokens=120, cached_tokens=96),
     ]
 
 

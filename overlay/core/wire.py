@@ -303,6 +303,13 @@ class Tokens:
     # one entry per generated token of this frame when the request asked for logprobs
     # (key "lp", omitted when empty)
     logprobs: tuple[TokenLogprob, ...] = ()
+    # the serving node's count of the prompt's tokens, on its first TOKENS frame (key
+    # "pt", omitted otherwise: 0 means not said here). An entry that stops reading before
+    # FINAL (a stop sequence) still has the usage; for another model's request only that
+    # node knows the count (it tokenized the text)
+    prompt_tokens: int = 0
+    # ... and how many of them came from its cache (key "ct", only with "pt"; -1: not known)
+    cached_tokens: int = -1
 
 
 @dataclass(frozen=True)
@@ -443,6 +450,12 @@ def _tokens_obj(frame: Tokens) -> dict[str, Any]:
     if frame.logprobs:
         obj["lp"] = [[e.piece, float(e.logprob), [[b, float(lp)] for b, lp in e.top]]
                      for e in frame.logprobs]
+    if frame.prompt_tokens:
+        obj["pt"] = frame.prompt_tokens
+        if frame.cached_tokens >= 0:
+            obj["ct"] = frame.cached_tokens
+    elif frame.cached_tokens >= 0:
+        obj["ct"] = frame.cached_tokens  # refused by the decoder: "ct" comes with "pt"
     return obj
 
 
@@ -800,15 +813,20 @@ def _logprob_entry(v: Any, what: str) -> TokenLogprob:
 
 
 def _tokens_from(obj: dict) -> Tokens:
-    f = _Fields(obj, "tokens", ("t", "x", "ids", "lp") if "lp" in obj else ("t", "x", "ids"))
+    f = _Fields(obj, "tokens", ("t", "x", "ids", *(k for k in ("lp", "pt", "ct") if k in obj)))
     logprobs: tuple[TokenLogprob, ...] = ()
     if "lp" in obj:
         items = f.list("lp", MAX_LOGPROB_ENTRIES)
         if not items:
             raise InvalidField("tokens.lp: an empty list is sent by omitting the key")
         logprobs = tuple(_logprob_entry(v, f"tokens.lp[{i}]") for i, v in enumerate(items))
+    if "ct" in obj and "pt" not in obj:
+        raise InvalidField("tokens.ct: a cached count comes with the prompt count ('pt')")
+    # an unknown count is sent by omitting the key, never as 0
+    prompt_tokens = f.int("pt", 1, MAX_PROMPT_TOKENS) if "pt" in obj else 0
     return Tokens(text=f.str("x", MAX_TEXT_CHARS), token_ids=_token_ids(f, "ids", MAX_CHUNK_TOKENS),
-                  logprobs=logprobs)
+                  logprobs=logprobs, prompt_tokens=prompt_tokens,
+                  cached_tokens=f.int("ct", 0, prompt_tokens) if "ct" in obj else -1)
 
 
 def _final_from(obj: dict) -> Final:
