@@ -89,6 +89,10 @@ class TokenChunk:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
+    # on a generation's first chunk: the prompt tokens whose KV came from the cache, as the
+    # engine decided before prefill (-1: not said; the Completion's figure is the same),
+    # so a consumer that stops before the Completion still knows it
+    cached_tokens: int = -1
 
 
 @dataclass(frozen=True)
@@ -256,7 +260,8 @@ class SimulatedBackend:
                 if self.decode_tps > 0 and i:
                     await trio.sleep(1.0 / self.decode_tps)
                 idx = int.from_bytes(hashlib.blake2b(seed + i.to_bytes(4, "big"), digest_size=2).digest(), "big")
-                yield TokenChunk(" " + _WORDS[idx % len(_WORDS)], (idx,))
+                yield TokenChunk(" " + _WORDS[idx % len(_WORDS)], (idx,),
+                                 cached_tokens=-1 if i else cached)
                 await trio.sleep(0)
             total = time.perf_counter() - t0
             self._avg_request_s = 0.8 * self._avg_request_s + 0.2 * total
@@ -458,6 +463,7 @@ class LlamaBackend:
         t0 = time.perf_counter()
 
         try:
+            first = True  # the cached count goes with the first piece only
             while True:
                 piece = await recv.receive()
                 if piece is None:
@@ -465,7 +471,12 @@ class LlamaBackend:
                 lp = ()
                 if piece.logprob is not None:
                     lp = (TokenLogprob(piece.data, piece.logprob, piece.top),)
-                yield TokenChunk(piece.text, (piece.token,), lp)
+                cached = -1
+                if first:
+                    first = False
+                    st = handle.stats  # set before the first piece (engine.RequestHandle)
+                    cached = st.cached_tokens if st is not None else -1
+                yield TokenChunk(piece.text, (piece.token,), lp, cached_tokens=cached)
             try:
                 completion = handle.result(timeout=5)
             except Exception as exc:

@@ -366,6 +366,9 @@ class RequestHandle:
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self.grammar: _Grammar | None = None  # compiled at submission (params.grammar)
+        # the running request's statistics, set when the engine starts it: cached_tokens is
+        # final before the first piece (the node's backend reports it with that piece)
+        self.stats: RequestStats | None = None
 
     def cancel(self) -> None:
         """Ask the engine to stop this request (queued: dropped; running: at the next token)."""
@@ -993,7 +996,7 @@ class Engine:
 
     def _serve(self, h: RequestHandle) -> Completion:
         lib = self._lib
-        stats = RequestStats(prompt_tokens=len(h.tokens))
+        stats = h.stats = RequestStats(prompt_tokens=len(h.tokens))
         t_start = time.perf_counter()
         stats.queue_wait_s = t_start - h.submitted_at
         tokens = h.tokens
@@ -1314,7 +1317,7 @@ class Engine:
 
     def _admit(self, h: RequestHandle, seq: int, slots: list[_Slot]) -> _Slot:
         slot = _Slot(h, seq)
-        slot.stats = RequestStats(prompt_tokens=len(h.tokens), batch_mode="throughput")
+        slot.stats = h.stats = RequestStats(prompt_tokens=len(h.tokens), batch_mode="throughput")
         slot.t_start = time.perf_counter()
         slot.stats.queue_wait_s = slot.t_start - h.submitted_at
         slot.need = len(h.tokens) + h.params.max_tokens

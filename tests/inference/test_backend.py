@@ -75,3 +75,34 @@ def test_generate_streams_every_piece_in_order_and_a_stopped_consumer_cancels():
         assert [t for c in chunks for t in c.token_ids] == want.tokens
         assert "".join(c.text for c in chunks) == want.text
         assert events[-1].completion_tokens == len(want.tokens)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "throughput"])
+def test_the_first_chunk_says_the_cached_count_of_the_completion(mode):
+    """The first TokenChunk carries the cached count the Completion later reports (decided
+    before prefill), so a consumer that stops early still knows it; later chunks say
+    nothing (-1). The second run of a prompt finds it cached."""
+    async def main():
+        backend = LlamaBackend(model_path=default_model_path(), n_threads=TEST_THREADS,
+                               kv_dir=None, disk_budget_bytes=0, n_ctx=512, batch_mode=mode)
+        await backend.load()
+        try:
+            backend.register_namespace("t", b"k" * 32, NS)
+            text = "The lighthouse keeper counts the ships that pass at night. " * 6
+            tokens = tuple(await backend.tokenize([("user", text)]))
+            req = GenerateRequest(ns=NS, tokens=tokens, max_tokens=3)
+            runs = []
+            for _ in range(2):
+                async with contextlib.aclosing(backend.generate(req)) as events:
+                    runs.append([ev async for ev in events])
+            return runs
+        finally:
+            await backend.aclose()
+
+    runs = trio.run(main)
+    for events in runs:
+        done, chunks = events[-1], events[:-1]
+        assert isinstance(done, Completion) and len(chunks) >= 2
+        assert chunks[0].cached_tokens == done.cached_tokens
+        assert all(c.cached_tokens == -1 for c in chunks[1:])
+    assert runs[1][-1].cached_tokens > 0
