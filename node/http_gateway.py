@@ -21,7 +21,9 @@ How a request enters the mesh
     entry node does it anyway), which gives exact ``prompt_tokens`` and lets
     ``/v1/completions`` send a raw prompt string. A request for another model of the mesh
     is not: its messages or raw prompt text travel to a node of that model, which
-    tokenizes them with its own tokenizer (the usage comes from its FINAL).
+    tokenizes them with its own tokenizer (the usage comes from its FINAL, or from the
+    counts the serving node sends with its first token when a stop sequence ends the
+    request before that FINAL).
 
 Cancellation
     The frames of a request flow through a bounded memory channel from the pipeline task to
@@ -272,6 +274,16 @@ class Started:
 
 
 @dataclass(frozen=True)
+class PromptCounted:
+    """The serving node's counts of the prompt, with its first text (before its FINAL):
+    what the usage says when the gateway stops reading early (a stop sequence). For
+    another model's request only that node knows them."""
+
+    prompt_tokens: int
+    cached_tokens: int = -1  # -1: not said
+
+
+@dataclass(frozen=True)
 class TextDelta:
     text: str
     tokens: int  # generated tokens this text stands for
@@ -285,7 +297,7 @@ class Finished:
     route: dict[str, Any] | None = None  # route_json(final)
 
 
-GatewayEvent = Started | TextDelta | Finished
+GatewayEvent = Started | PromptCounted | TextDelta | Finished
 
 
 class GatewayBackend(Protocol):
@@ -435,6 +447,7 @@ class _Outcome:
     usage: Usage
     route: dict[str, Any] | None
     partial: bool = False  # ended at a stop sequence: usage counted here, no route trace
+    cached_known: bool = True  # False: cached_tokens was never said (reported as 0)
 
 
 class GatewayApp:
@@ -679,6 +692,7 @@ class GatewayApp:
         of a stop sequence cut off here are left out)."""
         scanner = StopScanner(job.sampling.stop)
         prompt_tokens = 0
+        cached_tokens = -1  # not said yet
         generated = 0
         outcome: _Outcome | None = None
         lp = _LogprobGate(logprobs)
@@ -687,6 +701,10 @@ class GatewayApp:
                 async for ev in events:
                     if isinstance(ev, Started):
                         prompt_tokens = ev.prompt_tokens
+                    elif isinstance(ev, PromptCounted):
+                        # the serving node's count: the one a FINAL would carry
+                        prompt_tokens = ev.prompt_tokens
+                        cached_tokens = ev.cached_tokens
                     elif isinstance(ev, TextDelta):
                         generated += ev.tokens
                         lp.add(ev.logprobs)
@@ -707,7 +725,8 @@ class GatewayApp:
             return outcome
         if scanner.stopped:
             self.stats["stopped_at_sequence"] += 1
-            return _Outcome("stop", Usage(prompt_tokens, generated, 0), None, partial=True)
+            return _Outcome("stop", Usage(prompt_tokens, generated, max(cached_tokens, 0)), None,
+                            partial=True, cached_known=cached_tokens >= 0)
         if overall.cancelled_caught:
             raise DeadlineExceeded(f"no answer within {job.deadline_s:g} s")
         raise UpstreamError("the generation ended without a final answer")
@@ -900,7 +919,9 @@ class _LogprobGate:
 def _ext(out: _Outcome) -> dict[str, Any]:
     ext: dict[str, Any] = {"route": out.route}
     if out.partial:
-        ext["stopped_at_gateway"] = True  # cached_tokens and route unknown (see docs)
+        ext["stopped_at_gateway"] = True  # the route is unknown (no FINAL; see docs)
+        if not out.cached_known:
+            ext["cached_tokens_unknown"] = True  # the serving node did not say it
     return ext
 
 
@@ -1026,7 +1047,11 @@ class _FrameEvents:
             raise UpstreamError("the node's pipeline ended without an answer") from None
         if isinstance(frame, wire.Tokens):
             n = len(frame.token_ids) or (1 if frame.text else 0)
-            return TextDelta(frame.text, n, frame.logprobs)
+            delta = TextDelta(frame.text, n, frame.logprobs)
+            if frame.prompt_tokens:  # the serving node's first text: its counts come first
+                self._pending.append(delta)
+                return PromptCounted(frame.prompt_tokens, frame.cached_tokens)
+            return delta
         if isinstance(frame, wire.Final):
             self._done = True
             self.answered = True

@@ -54,6 +54,7 @@ class LocalServer:
 
         async def produce(out: trio.MemorySendChannel) -> None:
             ttft_ms = -1.0
+            first = True  # the next TOKENS frame is the first
             held: list[str] = []  # stream=False: the text goes in one TOKENS frame
             held_lp: list[wire.TokenLogprob] = []  # ... and its logprobs (when asked for)
             try:
@@ -67,13 +68,15 @@ class LocalServer:
                                 held.append(ev.text)
                                 held_lp.extend(lp)
                                 continue
-                            await out.send(
-                                wire.Tokens(
-                                    ev.text[: wire.MAX_TEXT_CHARS],
-                                    tuple(ev.token_ids[: wire.MAX_CHUNK_TOKENS]),
-                                    lp,
-                                )
+                            frame = wire.Tokens(
+                                ev.text[: wire.MAX_TEXT_CHARS],
+                                tuple(ev.token_ids[: wire.MAX_CHUNK_TOKENS]),
+                                lp,
                             )
+                            if first:  # the counts, for an entry that stops before FINAL
+                                first = False
+                                frame = replace(frame, **_prompt_counts(req, ev))
+                            await out.send(frame)
                         elif isinstance(ev, Completion):
                             for frame in _held_frames("".join(held), held_lp):
                                 await out.send(frame)
@@ -111,6 +114,15 @@ class LocalServer:
 
         return produce
 
+
+def _prompt_counts(req: wire.Request, ev: TokenChunk) -> dict[str, int]:
+    """The first TOKENS frame's prompt count (and cached count, when the engine said it
+    on its first chunk), within the wire's bounds."""
+    prompt = min(len(req.tokens), wire.MAX_PROMPT_TOKENS)
+    if not prompt:
+        return {}
+    cached = ev.cached_tokens
+    return {"prompt_tokens": prompt, "cached_tokens": min(cached, prompt) if cached >= 0 else -1}
 
 
 def _wire_logprobs(ev: TokenChunk) -> tuple[wire.TokenLogprob, ...]:

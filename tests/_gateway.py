@@ -21,6 +21,7 @@ from prefixmesh.node.http_gateway import (
     Finished,
     GatewaySettings,
     GenerationJob,
+    PromptCounted,
     Started,
     TextDelta,
     serve_http,
@@ -47,6 +48,9 @@ class FakeBackend:
         self.forever = False  # generate until cancelled
         self.fail: ApiError | None = None  # raised before the first token
         self.fail_after_tokens: ApiError | None = None
+        # the serving node's counts before the first text (the mesh's first TOKENS frame);
+        # (False: the entry knows the prompt count itself and the cached count stays unsaid)
+        self.counts_first: bool = False
         self.jobs: list[GenerationJob] = []
         self.active = 0
         self.cancelled = 0
@@ -81,7 +85,9 @@ class FakeBackend:
         done = {"ok": False}
 
         async def events():
-            yield Started(len(prompt))
+            yield Started(0 if self.counts_first else len(prompt))
+            if self.counts_first:
+                yield PromptCounted(len(prompt), cached)
             n = 0
             while True:
                 for w in self.words:

@@ -164,6 +164,36 @@ def test_stop_sequence_cuts_text_and_cancels_generation():
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stop_sequence_reports_the_serving_nodes_counts():
+    """A stop ends the request before the serving node's final statistics: the usage has
+    the counts that node said with its first text (for another model's request the entry
+    never knows them), in the OpenAI usage and in Ollama's prompt_eval_count; a cached
+    count nobody said is flagged as unknown."""
+    with running() as (gw, fake):
+        c = client(gw)
+        fake.counts_first = True
+        prompt = "".join(f"<{m['role']}>{m['content']}" for m in CHAT)
+        for i in range(2):  # the second time the prompt is cached (the fake's prefix rule)
+            resp = c.chat.completions.create(model=MODEL, messages=CHAT, stop=[". B"])
+            assert resp.choices[0].message.content == "Hello world"
+            assert resp.usage.prompt_tokens == len(prompt)
+            assert resp.usage.prompt_tokens_details.cached_tokens == (len(prompt) if i else 0)
+            assert "cached_tokens_unknown" not in resp.model_extra["prefixmesh"]
+        chunks = list(c.completions.create(model=MODEL, prompt="Once upon", stream=True,
+                                           stop="world", stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens == len("Once upon")
+        r = httpx.post(gw.url + "/api/chat", timeout=10, json={
+            "model": MODEL, "messages": CHAT, "stream": False, "options": {"stop": [". B"]}})
+        assert r.status_code == 200, r.text
+        assert r.json()["message"]["content"] == "Hello world"
+        assert r.json()["prompt_eval_count"] == len(prompt)
+        fake.counts_first = False  # the entry tokenized; nobody said the cached count
+        resp = c.chat.completions.create(model=MODEL, messages=CHAT, stop=[". B"])
+        assert resp.usage.prompt_tokens == len(prompt)
+        assert resp.usage.prompt_tokens_details.cached_tokens == 0
+        assert resp.model_extra["prefixmesh"]["cached_tokens_unknown"] is True
+
+
 # --- tenants and keys ----------------------------------------------------------------------
 
 
