@@ -11,7 +11,13 @@ from prefixmesh.inference.backend import SimulatedBackend
 from prefixmesh.node.client import Client, RequestFailed
 from prefixmesh.node.config import load_config
 from prefixmesh.node.daemon import Node, NodeOptions
-from prefixmesh.node.http_gateway import Finished, GenerationJob, NodeGatewayBackend
+from prefixmesh.node.http_gateway import (
+    Finished,
+    GatewayApp,
+    GatewaySettings,
+    GenerationJob,
+    NodeGatewayBackend,
+)
 from prefixmesh.node.openai_schema import BadRequest, SamplingOptions
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.identity import Identity, peer_id_to_b58
@@ -145,6 +151,64 @@ def test_the_dht_mesh_key_finds_nodes_of_other_models(tmp_path):
             # knows it from the inbound connection): found through the mesh key either way
             assert ("dht" in a.directory.sources_of(b2.identity.peer_id)
                     or "dht" in b2.directory.sources_of(a.identity.peer_id))
+            for n in (a, b1, b2):
+                await n.shutdown(grace_s=0.2)
+
+    trio.run(main)
+
+
+async def _stopped_chat(node, messages, model: bytes, stop_after: int):
+    """A chat job through ``node``'s gateway (stop sequences are the gateway's), cut by a
+    stop sequence: the word the simulated engine says after ``stop_after`` words. Returns
+    the text the client got and the usage it was told."""
+    gw = NodeGatewayBackend(infer=node.infer, backend=node.backend, tenants=node.tenants,
+                            node=node)
+    app = GatewayApp(gw, GatewaySettings())
+
+    def job(stop=()):
+        return GenerationJob(tenant=node.tenants.names()[0], deadline_s=10.0,
+                             messages=messages, model=model,
+                             sampling=SamplingOptions(max_tokens=8, temperature=0.0,
+                                                      stop=stop))
+    words: list[str] = []
+    full = await app._run(job(), _collect(words))
+    assert len(words) > stop_after and not full.partial
+    parts: list[str] = []
+    out = await app._run(job((words[stop_after].strip(),)), _collect(parts))
+    assert out.partial and out.finish_reason == "stop"  # cut at the gateway: no FINAL seen
+    return "".join(parts), out.usage, full.usage
+
+
+def _collect(into: list[str]):
+    async def on_text(text: str) -> None:
+        into.append(text)
+    return on_text
+
+
+def test_a_stop_sequence_keeps_the_serving_nodes_prompt_count(tmp_path):
+    """A stop sequence ends a request at the entry gateway before the serving node's FINAL:
+    the usage still has the prompt's token count (for another model only its node knows
+    it: the serving node says it on its first TOKENS frame) and the cached count."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a, b1, b2 = await _start(nursery, tmp_path, [FP_A, FP_B, FP_B])
+            await _wait(lambda: {e.fingerprint: e.nodes for e in a.models()}
+                        == {FP_A: 1, FP_B: 2})
+            await _wait(lambda: len(b1.heartbeat.up_peers()) == 2
+                        and len(b2.heartbeat.up_peers()) == 2)
+            messages = (("system", SYSTEM), ("user", "which way to the harbour?"))
+            b_count = len(await b1.backend.tokenize(messages))
+            # model B's chat entered at A: B's node tokenizes, A never knows the count
+            text, usage, full = await _stopped_chat(a, messages, FP_B, stop_after=2)
+            assert text and usage.completion_tokens >= 2
+            assert usage.prompt_tokens == full.prompt_tokens == b_count > 0
+            again_text, again, _ = await _stopped_chat(a, messages, FP_B, stop_after=2)
+            assert again_text == text
+            assert again.prompt_tokens == b_count
+            assert again.cached_tokens > 0  # the prefix is cached on B by now
+            # model B's chat entered at a B node (tokenized there): the same counts
+            _, own, _ = await _stopped_chat(b1, messages, b"", stop_after=1)
+            assert own.prompt_tokens == b_count and own.cached_tokens > 0
             for n in (a, b1, b2):
                 await n.shutdown(grace_s=0.2)
 
