@@ -13,6 +13,9 @@ probes one member per period and spreads what it learns on the probe messages th
   refutes: a node that hears it is suspected raises its incarnation number and spreads
   ALIVE with it. Incarnations order every claim about a member (see :func:`supersedes`).
   The timeout grows with log N because dissemination does.
+* **Push-pull on join.** A member heard from for the first time (or back from the dead)
+  gets a :class:`Sync`: a sample of up to ``MAX_SYNC_UPDATES`` live members, learned
+  without gossiping them on, so a newcomer knows the mesh after one exchange.
 * **Dissemination.** State changes are queued and piggybacked on PING/PING-REQ/ACK, at most
   ``MAX_PIGGYBACK`` per message, fewest-sent first and newest first among those, each ``RETRANSMIT_MULT * ceil(log10(N+1))``
   times: O(log N) periods to reach everyone, no extra messages.
@@ -30,7 +33,10 @@ changes are collected as :class:`MemberEvent` values (:meth:`drain_events`). The
 
 Wire form (:func:`encode_message` / :func:`decode_message`): one CBOR array
 ``[type, seq, incarnation, target, updates]``, updates ``[peer, incarnation, state, addrs]``;
-decoding is bounded (:data:`MAX_MESSAGE_BYTES`) and raises only :class:`MembershipError`.
+an ACK the target sends itself may add a sixth element, :class:`AckInfo` ``[queue_depth,
+active, n_ctx, summary_hash, model, model_name]`` (what the node's routing reads about a
+peer; the state machine ignores it, the shell fills and reads it). Decoding is bounded
+(:data:`MAX_MESSAGE_BYTES`) and raises only :class:`MembershipError`.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from .digest import DigestError, loads_bounded
 __all__ = [
     "ALIVE", "SUSPECT", "DEAD", "PROBE_INTERVAL_S", "PROBE_TIMEOUT_S", "INDIRECT_PROBES",
     "MAX_PIGGYBACK", "MAX_MEMBERS", "MAX_MESSAGE_BYTES", "Update", "Ping", "PingReq", "Ack",
+    "AckInfo", "Sync", "MAX_SYNC_UPDATES",
     "Message", "Send", "MemberEvent", "Membership", "MembershipError", "supersedes",
     "suspicion_timeout_s", "retransmits", "encode_message", "decode_message",
 ]
@@ -65,15 +72,19 @@ INDIRECT_PROBES = 3  # SWIM's k: false-positive odds fall geometrically with it
 SUSPICION_MULT = 4  # memberlist's default: timeout = 4 x log10(N) periods (>= 4 periods)
 RETRANSMIT_MULT = 4
 MAX_PIGGYBACK = 8  # ~0.5 KB of updates at most per message
+MAX_SYNC_UPDATES = 64  # members in one SYNC (a sample; the rest spread by piggyback)
 DEAD_RETAIN_S = 120.0  # long enough to outrank a stale ALIVE still circulating
 MAX_MEMBERS = 16_384
 MAX_ADDRS = 4
 MAX_ADDR_CHARS = 256
 MAX_PEER_ID_BYTES = 64
 MAX_MESSAGE_BYTES = 16 * 1024
+MAX_INFO_BYTES = 64  # summary hash and model fingerprint (both 32 bytes today)
+MAX_INFO_NAME_CHARS = 64  # a model name (core/models.py MAX_MODEL_NAME_CHARS)
+_MAX_LOAD = 2**32
 _MAX_INCARNATION = 2**53  # fits a float-free CBOR int and a JSON number
 
-_PING, _PING_REQ, _ACK = 0, 1, 2
+_PING, _PING_REQ, _ACK, _SYNC = 0, 1, 2, 3
 
 
 class MembershipError(ValueError):
@@ -106,14 +117,39 @@ class PingReq:
 
 
 @dataclass(frozen=True)
+class AckInfo:
+    """What a member says about itself on the ACKs it sends (b"" / "": unchanged since its
+    previous ACK on this stream, or not said)."""
+
+    queue_depth: int = 0
+    active: int = 0
+    n_ctx: int = 0
+    summary_hash: bytes = b""
+    model: bytes = b""
+    model_name: str = ""
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Push-pull on join: a sample of the sender's live members, sent to a member it has
+    just heard from for the first time (or back from the dead), which learns the mesh at
+    once instead of 8 members per probe (``--cold-start`` in the simulator)."""
+
+    seq: int
+    incarnation: int
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True)
 class Ack:
     seq: int
     incarnation: int
     target: bytes  # the member whose liveness this ACK proves
     updates: tuple[Update, ...] = ()
+    info: AckInfo | None = None  # the sender's own figures (only when target is the sender)
 
 
-Message = Ping | PingReq | Ack
+Message = Ping | PingReq | Ack | Sync
 
 
 @dataclass(frozen=True)
@@ -187,6 +223,7 @@ class Membership:
         self._seq = 0
         self._relays: dict[int, tuple[bytes, int, float]] = {}  # our seq -> (asker, seq, t)
         self._events: list[MemberEvent] = []
+        self._sync_offset = 0  # where the next SYNC's window of members starts
         self._enqueue(self._self_update())
 
     # --- what the shell reads --------------------------------------------------------
@@ -198,6 +235,10 @@ class Membership:
     def alive(self) -> list[bytes]:
         """Members believed alive or merely suspected (still routable), not ourselves."""
         return [p for p, m in self._members.items() if m.update.state != DEAD]
+
+    def incarnation_of(self, peer: bytes) -> int:
+        m = self._members.get(peer)
+        return m.update.incarnation if m else 0
 
     def addrs_of(self, peer: bytes) -> tuple[str, ...]:
         m = self._members.get(peer)
@@ -233,6 +274,30 @@ class Membership:
         """Every member as we know it, ourselves included (what :meth:`learn_state` takes)."""
         return [self._self_update(), *(m.update for m in self._members.values())]
 
+    def set_addrs(self, addrs: Sequence[str]) -> None:
+        """Our own addresses changed (a relay, a port mapping): spread them under a new
+        incarnation, so they outrank the old ones everywhere."""
+        addrs = tuple(addrs)[:MAX_ADDRS]
+        if addrs != self.addrs:
+            self.addrs = addrs
+            self.incarnation = min(self.incarnation + 1, _MAX_INCARNATION)
+            self._enqueue(self._self_update())
+
+    def forget(self, peer: bytes) -> None:
+        """Drop ``peer`` without a claim about it (the shell gave up dialling a member it
+        never reached: nothing to tell the mesh, whose own probes decide)."""
+        if peer in self._members:
+            self._remove(peer)
+            self._order = [p for p in self._order if p != peer]
+            p = self._probe
+            if p is not None and p.target == peer:
+                self._probe = None
+
+    def learn(self, update: Update, now: float, *, gossip: bool = True) -> None:
+        """Apply one claim the shell held back from :meth:`receive` until it had checked
+        the member (dialled it): as if it had arrived on a message now."""
+        self._apply(update, now, gossip=gossip)
+
     def join(self, peer: bytes, now: float, addrs: Sequence[str] = ()) -> None:
         """Learn a member out of band (bootstrap peer, mDNS, a DHT record): assumed alive
         at incarnation 0, so any claim the mesh holds about it outranks this one."""
@@ -258,9 +323,18 @@ class Membership:
         """Handle one message from ``sender`` (the transport vouches for the sender's id)."""
         if sender == self.self_id:
             return []
+        known = self._members.get(sender)
+        stranger = known is None or known.update.state == DEAD
+        sync = isinstance(message, Sync)
         for u in message.updates:
-            self._apply(u, now)
+            self._apply(u, now, gossip=not sync)  # a SYNC's members spread their own news
         self._note_sender(sender, message.incarnation, now)
+        out = [self._sync_for(sender)] if stranger and sender in self._members else []
+        return out + self._answer(sender, message, now)
+
+    def _answer(self, sender: bytes, message: Message, now: float) -> list[Send]:
+        if isinstance(message, Sync):
+            return []
         if isinstance(message, Ping):
             return [self._send(sender, Ack(message.seq, self.incarnation, self.self_id,
                                           self._piggyback(prefer=sender)))]
@@ -273,6 +347,23 @@ class Membership:
             return [self._send(message.target, Ping(self._seq, self.incarnation,
                                                     self._piggyback()))]
         return self._on_ack(sender, message, now)
+
+    def _sync_for(self, peer: bytes) -> Send:
+        """A SYNC for ``peer``: ourselves and a random sample of alive members, within
+        :data:`MAX_MESSAGE_BYTES`."""
+        # ALIVE only: a suspicion learned without its gossip would miss the refutation
+        live = [p for p in self._ids if p != peer and self._members[p].update.state == ALIVE]
+        # a rotating window, not a random sample: the probe order's random draws stay
+        # those of a mesh without SYNCs (the simulator's runs stay comparable)
+        start = self._sync_offset % max(len(live), 1)
+        chosen = (live[start:] + live[:start])[:MAX_SYNC_UPDATES]
+        self._sync_offset += MAX_SYNC_UPDATES
+        while True:
+            ups = (self._self_update(), *(self._members[p].update for p in chosen))
+            message = Sync(0, self.incarnation, ups)
+            if len(encode_message(message)) <= MAX_MESSAGE_BYTES or not chosen:
+                return self._send(peer, message)
+            chosen = chosen[: len(chosen) // 2]
 
     # --- probing ------------------------------------------------------------------------
 
@@ -458,11 +549,32 @@ def _update_obj(u: Update) -> list:
 
 
 def encode_message(message: Message) -> bytes:
-    kind = _PING if isinstance(message, Ping) else _PING_REQ if isinstance(message, PingReq) \
-        else _ACK
-    target = b"" if isinstance(message, Ping) else message.target
-    return cbor2.dumps([kind, message.seq, message.incarnation, target,
-                        [_update_obj(u) for u in message.updates]])
+    kind = (_PING if isinstance(message, Ping) else _PING_REQ if isinstance(message, PingReq)
+            else _SYNC if isinstance(message, Sync) else _ACK)
+    target = b"" if isinstance(message, Ping | Sync) else message.target
+    obj = [kind, message.seq, message.incarnation, target,
+           [_update_obj(u) for u in message.updates]]
+    info = message.info if isinstance(message, Ack) else None
+    if info is not None:
+        obj.append([info.queue_depth, info.active, info.n_ctx, info.summary_hash, info.model,
+                    info.model_name])
+    return cbor2.dumps(obj)
+
+
+def _decode_info(obj: object) -> AckInfo:
+    if not isinstance(obj, list) or len(obj) != 6:
+        raise MembershipError("ack info must be [queue_depth, active, n_ctx, summary_hash, "
+                              "model, model_name]")
+    q = _int(obj[0], "ack queue_depth", _MAX_LOAD)
+    a = _int(obj[1], "ack active", _MAX_LOAD)
+    n_ctx = _int(obj[2], "ack n_ctx", _MAX_LOAD)
+    for what, x in (("summary_hash", obj[3]), ("model", obj[4])):
+        if not isinstance(x, bytes) or len(x) > MAX_INFO_BYTES:
+            raise MembershipError(f"ack {what} must be at most {MAX_INFO_BYTES} bytes")
+    name = obj[5]
+    if not isinstance(name, str) or len(name) > MAX_INFO_NAME_CHARS:
+        raise MembershipError(f"ack model_name must be at most {MAX_INFO_NAME_CHARS} chars")
+    return AckInfo(q, a, n_ctx, obj[3], obj[4], name)
 
 
 def _int(x: object, what: str, hi: int = _MAX_INCARNATION) -> int:
@@ -498,20 +610,26 @@ def decode_message(data: bytes) -> Message:
         obj = loads_bounded(data, max_bytes=MAX_MESSAGE_BYTES, max_items=4096)
     except DigestError as exc:
         raise MembershipError(f"membership message: {exc}") from None
-    if not isinstance(obj, list) or len(obj) != 5:
-        raise MembershipError("a membership message must be [type, seq, inc, target, updates]")
-    kind, seq, inc, target, updates = obj
+    if not isinstance(obj, list) or len(obj) not in (5, 6):
+        raise MembershipError("a membership message must be [type, seq, inc, target, updates"
+                              "(, ack info)]")
+    kind, seq, inc, target, updates = obj[:5]
+    if len(obj) == 6 and kind != _ACK:
+        raise MembershipError("only an ACK carries info")
     seq = _int(seq, "seq")
     inc = _int(inc, "incarnation")
-    if not isinstance(updates, list) or len(updates) > MAX_PIGGYBACK * 2:
-        raise MembershipError(f"at most {MAX_PIGGYBACK * 2} updates per message")
+    limit = MAX_SYNC_UPDATES + 1 if kind == _SYNC else MAX_PIGGYBACK * 2
+    if not isinstance(updates, list) or len(updates) > limit:
+        raise MembershipError(f"at most {limit} updates in this message")
     ups = tuple(_decode_update(u) for u in updates)
-    if kind == _PING:
+    if kind in (_PING, _SYNC):
         _peer(target, "ping target", empty_ok=True)
-        return Ping(seq, inc, ups)
+        return Ping(seq, inc, ups) if kind == _PING else Sync(seq, inc, ups)
     if kind in (_PING_REQ, _ACK):
         tgt = _peer(target, "target")
-        return PingReq(seq, inc, tgt, ups) if kind == _PING_REQ else Ack(seq, inc, tgt, ups)
+        if kind == _PING_REQ:
+            return PingReq(seq, inc, tgt, ups)
+        return Ack(seq, inc, tgt, ups, _decode_info(obj[5]) if len(obj) == 6 else None)
     raise MembershipError(f"unknown membership message type {kind!r}")
 
 
