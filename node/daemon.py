@@ -84,7 +84,7 @@ from prefixmesh.overlay.digestexchange import DigestExchange, ExchangeSettings
 from prefixmesh.overlay.discovery import PeerDirectory, bootstrap_loop
 from prefixmesh.overlay.events import ObserverFanout
 from prefixmesh.overlay.gossip import Gossip
-from prefixmesh.overlay.heartbeat import Heartbeat
+from prefixmesh.overlay.heartbeat import Heartbeat, Liveness
 from prefixmesh.overlay.holepunch import HolePunchService
 from prefixmesh.overlay.host import (
     HostError,
@@ -100,6 +100,7 @@ from prefixmesh.overlay.relay import (
     ReservationKeeper,
     known_public_peers,
 )
+from prefixmesh.overlay.swim import Swim
 from prefixmesh.overlay.upnp import PortMapper
 
 from .http_gateway import serve_node_http
@@ -151,6 +152,9 @@ class NodeOptions:
     backend: str = "llama"  # "llama" | "sim"
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
+    # who is up: "swim" (overlay/swim.py, the default) or "heartbeat" (all-to-all pings,
+    # overlay/heartbeat.py: the measured baseline); the interval/timeout are the latter's
+    membership: str = "swim"
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 1.5
     print_addrs: bool = True
@@ -253,16 +257,8 @@ class Node:
         self.index = PeerCacheIndex()
         self.directory = PeerDirectory(self.identity.peer_id,
                                        self_addrs=lambda: self.advertised_addrs())
-        self.heartbeat = Heartbeat(
-            self.host,
-            addrs_of=self.directory.addrs_of,
-            local_load=self._queue_and_active,
-            interval_s=self.options.heartbeat_interval_s,
-            timeout_s=self.options.heartbeat_timeout_s,
-            # our context length in every PONG: entry nodes refuse a prompt no node fits
-            context_tokens=lambda: getattr(self.backend, "context_tokens", None),
-            model=(self.model_fp, self.model_name),  # the mesh's model catalog (issue 18)
-        )
+        # the liveness table every part of the node reads (overlay/heartbeat.py Liveness)
+        self.heartbeat = self._liveness()
         self.directory.on_new_peer = self.heartbeat.watch
         self.heartbeat.on_forget = self.directory.forget  # bounded dialing (issue 14)
         self.directory.merit = self.heartbeat.merit
@@ -339,6 +335,36 @@ class Node:
         self._written_addrs: list[str] = []
 
     # --- helpers ---------------------------------------------------------------------
+
+    def _liveness(self) -> Liveness:
+        """SWIM by default; the all-to-all heartbeat with ``NodeOptions.membership``."""
+        # our context length on every ACK/PONG: entry nodes refuse a prompt no node fits;
+        # our model on the first of each stream: the mesh's model catalog (issue 18)
+        context_tokens = lambda: getattr(self.backend, "context_tokens", None)  # noqa: E731
+        if self.options.membership == "heartbeat":
+            return Heartbeat(
+                self.host,
+                addrs_of=self.directory.addrs_of,
+                local_load=self._queue_and_active,
+                interval_s=self.options.heartbeat_interval_s,
+                timeout_s=self.options.heartbeat_timeout_s,
+                context_tokens=context_tokens,
+                model=(self.model_fp, self.model_name),
+            )
+        if self.options.membership != "swim":
+            raise ValueError(f"membership must be 'swim' or 'heartbeat', got "
+                             f"{self.options.membership!r}")
+        return Swim(
+            self.host,
+            addrs_of=self.directory.addrs_of,
+            local_load=self._queue_and_active,
+            self_addrs=self.advertised_addrs,
+            # members' addresses from dissemination: hints, in the directory like others
+            learn=lambda peer, addrs: self.directory.learn(peer, addrs, "swim"),
+            context_tokens=context_tokens,
+            model=(self.model_fp, self.model_name),
+            rng=random.Random(self.options.seed),
+        )
 
     def _queue_and_active(self) -> tuple[int, int]:
         load = self.backend.load_figures()
@@ -697,6 +723,8 @@ class Node:
             for k in ("records_applied", "duplicates", "gaps", "records_issued", "bytes_issued"):
                 out[f"ae_{k}"] = int(self.ae.stats[k])
         out["heartbeat_pings_answered"] = self.heartbeat.pings_answered
+        if isinstance(self.heartbeat, Swim):
+            out.update(self.heartbeat.node_stats())
         ps = self.peers_service
         out.update(peers_answered=ps.answered, peers_refused=ps.refused, peers_built=ps.builds)
         if self.host.inbound_cap is not None:

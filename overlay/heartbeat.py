@@ -50,7 +50,7 @@ from .core.identity import peer_id_to_b58
 from .host import FramedStream, HostError, OverlayHost
 from .libp2p_guard import outbound_room
 
-__all__ = ["PeerHealth", "Heartbeat"]
+__all__ = ["PeerHealth", "Liveness", "Heartbeat"]
 
 log = logging.getLogger(__name__)
 
@@ -80,65 +80,43 @@ class PeerHealth:
     n_ctx: int = 0  # the peer's context length from its PONGs (0: not said)
     model: bytes = b""  # the model fingerprint it announced (b"": not said)
     model_name: str = ""
+    # SWIM (overlay/swim.py): heard from it directly since it was last dead or failed a
+    # forward; first and last ACK to our own PINGs in its current life (merit); the
+    # incarnation the mesh holds for it
+    contacted: bool = False
+    acked_since: float | None = None  # monotonic
+    incarnation: int = 0
 
 
-class Heartbeat:
-    def __init__(
-        self,
-        host: OverlayHost,
-        *,
-        addrs_of: Callable[[bytes], Sequence[str]],
-        local_load: Callable[[], tuple[int, int]],
-        interval_s: float = 1.0,
-        timeout_s: float = 2.0,
-        misses_to_down: int = 1,
-        backoff_min_s: float = 0.5,
-        backoff_max_s: float = 10.0,
-        forget_after_s: float = 300.0,
-        rtt_alpha: float = 0.3,
-        idle_close_s: float = 30.0,
-        on_change: Callable[[bytes, bool], None] | None = None,
-        summary_hash: Callable[[], bytes] | None = None,
-        context_tokens: Callable[[], int | None] | None = None,
-        model: tuple[bytes, str] | None = None,
-    ):
+class Liveness:
+    """Who is up, as the rest of the node reads it (routing, forwarding, partition homes,
+    status, metrics, the model catalog): a table of :class:`PeerHealth` and the queries
+    on it. Two implementations fill it: :class:`~.swim.Swim` (the default: SWIM probes,
+    O(1) messages per node per period) and :class:`Heartbeat` (all-to-all pings, kept
+    as the measured baseline and a fallback, ``NodeOptions.membership``)."""
+
+    def __init__(self, host: OverlayHost, *, on_change: Callable[[bytes, bool], None] | None):
         self.host = host
-        self.addrs_of = addrs_of
-        self.local_load = local_load
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self.misses_to_down = misses_to_down
-        self.backoff_min_s = backoff_min_s
-        self.backoff_max_s = backoff_max_s
-        self.forget_after_s = forget_after_s
-        self.rtt_alpha = rtt_alpha
-        self.idle_close_s = idle_close_s
         self.on_change = on_change
-        self.summary_hash = summary_hash  # ours, reported in PONGs when it changes
-        self.context_tokens = context_tokens  # ours, reported in every PONG
-        self.model = model  # ours (fingerprint, name), in the first PONG of each stream
         self.health: dict[bytes, PeerHealth] = {}
-        self._nursery: trio.Nursery | None = None
-        self._monitored: set[bytes] = set()
-        self._nonce = 0
         self.pings_answered = 0
         self._down_waiters: dict[bytes, set[trio.Event]] = {}  # wait_down
         # the host's one gate (py-libp2p's own dials pass it too); a stand-in host: our own
         self.gate = getattr(host, "dial_gate", None) or DialGate()
         self.max_hint_peers = MAX_HINT_PEERS
-        self._hints: set[bytes] = set()  # monitored peers that hold a hint slot
-        self._pending: dict[bytes, None] = {}  # hint peers waiting for a slot, oldest first
         self.hints_dropped = 0
         self.forgotten = 0
         # called with a peer given up on (never answered): the daemon's directory forgets it
         self.on_forget: Callable[[bytes], None] | None = None
         # peers never given up for want of an answer (the daemon: bootstrap peers)
         self.persistent: Callable[[bytes], bool] = lambda peer: False
+        # ours, reported to peers (the daemon sets it once the digest exchange exists)
+        self.summary_hash: Callable[[], bytes] | None = None
 
     # --- queries ---------------------------------------------------------------------
 
     def is_down(self, peer: bytes) -> bool:
-        """Seen, then lost (missed PONGs): not merely not yet answered."""
+        """Seen, then lost (missed answers): not merely not yet answered."""
         h = self.health.get(peer)
         return h is not None and h.down_since is not None
 
@@ -161,15 +139,105 @@ class Heartbeat:
         h = self.health.get(peer)
         return h.rtt_s if h else None
 
-    def monitored(self) -> set[bytes]:
-        return set(self._monitored)
-
     def merit(self, peer: bytes) -> int:
         """Admission merit (core/admission.py): never up, seen up, or long-standing."""
         h = self.health.get(peer)
         if h is None or h.pongs == 0:
             return NEVER_UP
         return LONG_STANDING if self.is_known(peer) else SEEN_UP
+
+    def is_known(self, peer: bytes) -> bool:
+        """Up, and answering our own direct probes for :data:`LONG_STANDING_S`."""
+        raise NotImplementedError
+
+    # --- state changes ---------------------------------------------------------------
+
+    def _set(self, peer: bytes, up: bool, detail: str = "") -> None:
+        h = self.health.setdefault(peer, PeerHealth())
+        if h.up == up:
+            return
+        h.up = up
+        h.down_since = None if up else time.monotonic()
+        if not up:
+            self.host.drop_pool(peer)
+            for event in self._down_waiters.pop(peer, ()):
+                event.set()
+        log.info("peer %s is %s%s", peer_id_to_b58(peer)[-8:], "up" if up else "DOWN", detail)
+        if self.on_change is not None:
+            self.on_change(peer, up)
+
+    async def wait_down(self, peer: bytes) -> None:
+        """Return once ``peer`` is not up (at once if it is not up now)."""
+        if not self.is_up(peer):
+            return
+        event = trio.Event()
+        self._down_waiters.setdefault(peer, set()).add(event)
+        try:
+            await event.wait()
+        finally:
+            waiters = self._down_waiters.get(peer)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._down_waiters[peer]
+
+    def mark_down(self, peer: bytes) -> None:
+        """Called by forwarding code that saw ``peer`` fail; the monitor re-checks it."""
+        self._set(peer, False)
+
+    def _outbound_room(self) -> bool:
+        """False once our own dials hold all but the inbound reserve (libp2p_guard)."""
+        try:
+            conns = self.host.libp2p.get_network().get_connections()
+        except Exception:  # no swarm (unit tests) or one closing
+            return True
+        return outbound_room(sum(str(getattr(c, "direction", "")) != "inbound" for c in conns))
+
+
+class Heartbeat(Liveness):
+    """All-to-all pings (module docstring)."""
+
+    def __init__(
+        self,
+        host: OverlayHost,
+        *,
+        addrs_of: Callable[[bytes], Sequence[str]],
+        local_load: Callable[[], tuple[int, int]],
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        misses_to_down: int = 1,
+        backoff_min_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        forget_after_s: float = 300.0,
+        rtt_alpha: float = 0.3,
+        idle_close_s: float = 30.0,
+        on_change: Callable[[bytes, bool], None] | None = None,
+        summary_hash: Callable[[], bytes] | None = None,
+        context_tokens: Callable[[], int | None] | None = None,
+        model: tuple[bytes, str] | None = None,
+    ):
+        super().__init__(host, on_change=on_change)
+        self.addrs_of = addrs_of
+        self.local_load = local_load
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.misses_to_down = misses_to_down
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self.forget_after_s = forget_after_s
+        self.rtt_alpha = rtt_alpha
+        self.idle_close_s = idle_close_s
+        self.summary_hash = summary_hash  # ours, reported in PONGs when it changes
+        self.context_tokens = context_tokens  # ours, reported in every PONG
+        self.model = model  # ours (fingerprint, name), in the first PONG of each stream
+        self._nursery: trio.Nursery | None = None
+        self._monitored: set[bytes] = set()
+        self._nonce = 0
+        self._hints: set[bytes] = set()  # monitored peers that hold a hint slot
+        self._pending: dict[bytes, None] = {}  # hint peers waiting for a slot, oldest first
+
+    def monitored(self) -> set[bytes]:
+        return set(self._monitored)
 
     def is_known(self, peer: bytes) -> bool:
         """Up, with :data:`LONG_STANDING_S` of answered PINGs."""
@@ -213,39 +281,6 @@ class Heartbeat:
             del self._pending[nxt]
             self.watch(nxt)
 
-    def _set(self, peer: bytes, up: bool) -> None:
-        h = self.health.setdefault(peer, PeerHealth())
-        if h.up == up:
-            return
-        h.up = up
-        h.down_since = None if up else time.monotonic()
-        if not up:
-            self.host.drop_pool(peer)
-            for event in self._down_waiters.pop(peer, ()):
-                event.set()
-        log.info("peer %s is %s", peer_id_to_b58(peer)[-8:], "up" if up else "DOWN")
-        if self.on_change is not None:
-            self.on_change(peer, up)
-
-    async def wait_down(self, peer: bytes) -> None:
-        """Return once ``peer`` is not up (at once if it is not up now)."""
-        if not self.is_up(peer):
-            return
-        event = trio.Event()
-        self._down_waiters.setdefault(peer, set()).add(event)
-        try:
-            await event.wait()
-        finally:
-            waiters = self._down_waiters.get(peer)
-            if waiters is not None:
-                waiters.discard(event)
-                if not waiters:
-                    del self._down_waiters[peer]
-
-    def mark_down(self, peer: bytes) -> None:
-        """Called by forwarding code that saw ``peer`` fail; the monitor re-checks it."""
-        self._set(peer, False)
-
     async def _dial(self, peer: bytes, h: PeerHealth) -> None:
         """Connect to ``peer`` through the dial gate (no dial if connected already);
         waits while the gate refuses, without counting a miss."""
@@ -272,14 +307,6 @@ class Heartbeat:
             finally:
                 self.gate.done(ticket, ok)
             return
-
-    def _outbound_room(self) -> bool:
-        """False once our own dials hold all but the inbound reserve (libp2p_guard)."""
-        try:
-            conns = self.host.libp2p.get_network().get_connections()
-        except Exception:  # no swarm (unit tests) or one closing
-            return True
-        return outbound_room(sum(str(getattr(c, "direction", "")) != "inbound" for c in conns))
 
     async def _monitor(self, peer: bytes) -> None:
         backoff = self.backoff_min_s

@@ -27,7 +27,7 @@ FP_A, FP_B = b"A" * 16, b"B" * 16
 SYSTEM = "a shared system prompt about lighthouses and the ships they guide home. " * 8
 
 
-async def _start(nursery, tmp_path, fps, *, bootstrap=None, dht=False):
+async def _start(nursery, tmp_path, fps, *, bootstrap=None, dht=False, membership="swim"):
     nodes = []
     for i, fp in enumerate(fps):
         # default: every earlier node (nodes of one model find each other through the
@@ -41,7 +41,8 @@ async def _start(nursery, tmp_path, fps, *, bootstrap=None, dht=False):
         }
         node = Node(load_config(None, overrides),
                     NodeOptions(backend="sim", dht=dht, print_addrs=False, seed=i,
-                                heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0),
+                                heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0,
+                                membership=membership),
                     identity=Identity.generate(),
                     backend=SimulatedBackend(prefill_tps=400.0, model_fingerprint=fp))
         await nursery.start(node.run)
@@ -140,11 +141,15 @@ def test_two_models_one_mesh(tmp_path):
 def test_the_dht_mesh_key_finds_nodes_of_other_models(tmp_path):
     """A (model A) is bootstrapped to nobody and only B1 dials it; B2 knows only B1. A
     hears of B2 through nothing but the DHT's mesh-wide key (its own model's key lists
-    no B node, and B nodes exchange digests only among themselves)."""
+    no B node, and B nodes exchange digests only among themselves). With the all-to-all
+    heartbeat: SWIM membership is mesh-wide and would tell A of B2 through B1 (another
+    path, tested in tests/overlay/test_swim_swarm.py), so only there is the DHT the only
+    path."""
     async def main():
         async with trio.open_nursery() as nursery:
             a, b1, b2 = await _start(nursery, tmp_path, [FP_A, FP_B, FP_B],
-                                     bootstrap=[[], [0], [1]], dht=True)
+                                     bootstrap=[[], [0], [1]], dht=True,
+                                     membership="heartbeat")
             await _wait(lambda: {e.fingerprint: e.nodes for e in a.models()}
                         == {FP_A: 1, FP_B: 2}, timeout=45.0)
             # whichever of the two looked the other up first dialled it (the other then
