@@ -156,3 +156,36 @@ def test_a_model_nobody_serves_is_a_404(mesh):
     assert r.json()["error"]["param"] == "model"
     r = httpx.get(a.url + "/v1/models/no-such-model", timeout=10)
     assert r.status_code == 404
+
+
+def test_a_stop_sequence_for_model_b_at_a_keeps_bs_prompt_count(mesh):
+    """A stop sequence ends the request at A's gateway before B's FINAL: the usage still
+    has B's token count of the prompt and its cached count, which B sent with its first
+    token (A cannot count them: B's tokenizer is B's)."""
+    a, b, _ = mesh
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Name three things the keeper does."}]
+
+    def chat(stop=None):
+        body = {"model": SECOND_MODEL_NAME, "max_tokens": 8, "temperature": 0,
+                "messages": messages}
+        if stop:
+            body["stop"] = stop
+        r = httpx.post(a.url + "/v1/chat/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    full = chat()
+    text = full["choices"][0]["message"]["content"]
+    words = text.split()
+    assert len(words) >= 3, text
+    cut = chat(stop=[words[2]])
+    assert cut["prefixmesh"].get("stopped_at_gateway") is True, cut
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert len(cut["choices"][0]["message"]["content"]) < len(text)
+    assert cut["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"] > 0
+    # the same prompt again: B's cache served most of it, and B said so with its first token
+    assert cut["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, cut["usage"]
+    assert "cached_tokens_unknown" not in cut["prefixmesh"]
+    print(f"\ntwo models, stopped at A: prompt {cut['usage']['prompt_tokens']} tokens, cached "
+          f"{cut['usage']['prompt_tokens_details']['cached_tokens']}")
