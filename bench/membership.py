@@ -68,6 +68,8 @@ class Result:
     false_deaths_per_node_hour: float
     wall_s: float
     events: int = 0
+    # first time every node held every other as a member (None: never, in the run)
+    full_view_s: float | None = None
     detect_times: list[float] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
@@ -124,6 +126,8 @@ class _Sim:
             self._push(cfg.warmup_s, "crash", None)
         if cfg.freeze_every_s:
             self._push(cfg.warmup_s + cfg.freeze_every_s / 2, "freeze", None)
+        self.full_view_s: float | None = None
+        self._push(0.0, "check_view", None)
 
     def _push(self, t: float, kind: str, node, payload=None) -> None:
         self.n += 1
@@ -214,6 +218,14 @@ class _Sim:
             self._push(t + self.cfg.freeze_s, "thaw", victim)
         self._push(t + self.cfg.freeze_every_s, "freeze", None)
 
+    def _on_check_view(self, t: float, _node, _payload) -> None:
+        """Once a simulated second until every node knows every other (len is O(1))."""
+        n = self.cfg.nodes - 1
+        if all(len(m) >= n for m in self.members.values()):
+            self.full_view_s = t
+        else:
+            self._push(t + 1.0, "check_view", None)
+
     def _on_thaw(self, t: float, node: bytes, _payload) -> None:
         self.frozen.pop(node, None)
 
@@ -232,7 +244,8 @@ class _Sim:
             detect_all_p99_s=p99,
             false_suspicions_per_node_hour=len(self.false_suspect) / node_hours,
             false_deaths_per_node_hour=len(self.false_dead) / node_hours,
-            wall_s=wall_s, events=self.events, detect_times=det,
+            wall_s=wall_s, events=self.events, full_view_s=self.full_view_s,
+            detect_times=det,
         )
 
 

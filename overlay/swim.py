@@ -333,7 +333,7 @@ class Swim(Liveness):
 
     def _filter_updates(self, message: mb.Message) -> mb.Message:
         """Hold back claims about strangers (not members, not connected): they are
-        checked first (:meth:`_offer`); a SYNC's are learned without gossip."""
+        checked first (:meth:`_offer`), then applied and spread on like the others."""
         m = self.membership
         kept = []
         for u in message.updates:
@@ -341,7 +341,7 @@ class Swim(Liveness):
                     or m.state_of(u.peer) is not None or self.host.is_connected(u.peer)):
                 kept.append(u)
             else:
-                self._offer(u, gossip=not isinstance(message, mb.Sync))
+                self._offer(u, gossip=True)
         if len(kept) == len(message.updates):
             return message
         return replace(message, updates=tuple(kept))

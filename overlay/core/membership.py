@@ -14,8 +14,10 @@ probes one member per period and spreads what it learns on the probe messages th
   ALIVE with it. Incarnations order every claim about a member (see :func:`supersedes`).
   The timeout grows with log N because dissemination does.
 * **Push-pull on join.** A member heard from for the first time (or back from the dead)
-  gets a :class:`Sync`: a sample of up to ``MAX_SYNC_UPDATES`` live members, learned
-  without gossiping them on, so a newcomer knows the mesh after one exchange.
+  gets a :class:`Sync`: a window of up to ``MAX_SYNC_UPDATES`` alive members, taken like
+  piggybacked claims (what is news to the receiver it spreads on), so a newcomer knows
+  much of the mesh after one exchange (cold start of 256 nodes: 74 % of the full view at
+  10 s instead of 31 %, docs/SCALING.md).
 * **Dissemination.** State changes are queued and piggybacked on PING/PING-REQ/ACK, at most
   ``MAX_PIGGYBACK`` per message, fewest-sent first and newest first among those, each ``RETRANSMIT_MULT * ceil(log10(N+1))``
   times: O(log N) periods to reach everyone, no extra messages.
@@ -131,7 +133,7 @@ class AckInfo:
 
 @dataclass(frozen=True)
 class Sync:
-    """Push-pull on join: a sample of the sender's live members, sent to a member it has
+    """Push-pull on join: a window of the sender's alive members, sent to a member it has
     just heard from for the first time (or back from the dead), which learns the mesh at
     once instead of 8 members per probe (``--cold-start`` in the simulator)."""
 
@@ -325,9 +327,8 @@ class Membership:
             return []
         known = self._members.get(sender)
         stranger = known is None or known.update.state == DEAD
-        sync = isinstance(message, Sync)
         for u in message.updates:
-            self._apply(u, now, gossip=not sync)  # a SYNC's members spread their own news
+            self._apply(u, now)
         self._note_sender(sender, message.incarnation, now)
         out = [self._sync_for(sender)] if stranger and sender in self._members else []
         return out + self._answer(sender, message, now)
