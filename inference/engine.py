@@ -1292,6 +1292,13 @@ class Engine:
             for slot in [s for s in slots if s.finish]:
                 slots.remove(slot)
                 if self._retire(slot, slot.finish):
+                    src = slot.resident_source
+                    if src in self._idle and 2 * slot.stats.cached_tokens >= len(
+                            self._idle[src][1]):
+                        # superseded: this sequence now holds (shares) at least half of the
+                        # cells the resident it copied from held, and is more recent (else
+                        # one prefix cycled with new suffixes fills every resident slot)
+                        self._drop_idle(src, free)
                     while len(self._idle) >= self._resident_max:
                         self._drop_idle(next(iter(self._idle)), free)  # least recently used
                     self._idle[slot.seq] = (slot.h.ns.id, slot.h.tokens)
@@ -1359,6 +1366,7 @@ class Engine:
                 lease.release()
             lib.llama_memory_seq_cp(mem, resident, slot.seq, 0, resident_len)
             self._idle[resident] = self._idle.pop(resident)  # most recently used
+            slot.resident_source = resident
             slot.n_past = slot.stats.cached_tokens = resident_len
             slot.stats.hit_tier = "live"
             slot.phase = "prefill"
@@ -1599,6 +1607,7 @@ class _Slot:
         self.need = 0  # KV cells this request may take (admission control)
         self.source: _Slot | None = None
         self.shared = 0
+        self.resident_source: int | None = None  # the resident sequence its prefix came from
         self.next_tok = 0
         self.generated: list[int] = []
         self.text_parts: list[str] = []

@@ -122,6 +122,31 @@ def test_resident_sequences_serve_later_requests_and_give_way():
         e.close(flush=False)
 
 
+def test_cycled_prefixes_stay_resident_when_the_engine_keeps_several():
+    # the resident-sequence bound raised (as bench_residents does): 3 prefixes cycled with
+    # new suffixes each come back as live cells, because a finished request supersedes
+    # the resident it copied its prefix from instead of crowding out the other prefixes
+    rng = random.Random(43)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(40)] for _ in range(3)]
+    e = make_engine(ram_budget_bytes=0, n_ctx=1024)
+    e._resident_max = 3
+    one = SamplingParams(max_tokens=1)
+    try:
+        for p in prefixes:
+            assert e.complete_tokens(p + [7, 8, 9], params=one).stats.hit_tier == "none"
+        for k in range(2):
+            for p in prefixes:
+                s = e.complete_tokens(p + [20 + k, 30 + k, 40 + k], params=one).stats
+                assert s.hit_tier == "live" and s.cached_tokens == 40
+        for _ in range(100):  # the last one becomes resident just after its result
+            if len(e._idle) == 3:
+                break
+            time.sleep(0.05)
+        assert len(e._idle) == 3
+    finally:
+        e.close(flush=False)
+
+
 def test_long_prefill_is_capped_per_step_while_others_decode():
     rng = random.Random(41)
     e = make_engine(ram_budget_bytes=0, n_ctx=1024, n_batch=512)
