@@ -5,8 +5,8 @@ and the suite starts ~80 of them. The fork server is one helper process per test
 that imports the node's code once (``tests/_fault_node.py``, the daemon, libp2p, trio, the
 CLI) and then, per node start, forks a child that runs exactly what
 ``python tests/_fault_node.py ARGS`` or ``prefixmesh ARGS`` runs: the same ``main`` with
-the same ``sys.argv``, the caller's environment, working directory, stdin, stdout and
-stderr, and normal interpreter exit (atexit, flushing, the exit status of ``SystemExit``).
+the same ``sys.argv``, the caller's environment, working directory, umask, open-files
+limit, stdin, stdout and stderr, and normal interpreter exit (atexit, flushing, the exit status of ``SystemExit``).
 The child is its own process: ``pid`` is its pid, so SIGSTOP/SIGKILL/SIGTERM reach the node
 itself; the server reaps it and reports its exit status, which :class:`ForkedProc` (the
 ``subprocess.Popen`` subset the tests use) returns from ``poll``/``wait``.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -161,6 +162,8 @@ def _serve(sock_path: str) -> dict:
 def _run_child(request: dict) -> None:
     """Become the requested program, as its own interpreter would run it."""
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    resource.setrlimit(resource.RLIMIT_NOFILE, tuple(request["nofile"]))
     os.environ.clear()
     os.environ.update(request["env"])
     try:  # trio's scheduler RNG (``random`` reseeds itself after a fork)
@@ -261,6 +264,7 @@ class ForkServer:
         import threading
 
         self._dir = tempfile.mkdtemp(prefix="pm-forkserver-")
+        self.nofile_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         self.sock_path = os.path.join(self._dir, "sock")
         self.env = dict(env)
         self.log_path = os.path.join(self._dir, "server.log")
@@ -287,7 +291,11 @@ class ForkServer:
             return ""
 
     def fits(self, env: dict[str, str]) -> bool:
-        return self.proc.poll() is None and _startup_env(env) == _startup_env(self.env)
+        # the child takes the caller's open-files limit: it cannot raise the hard one
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        return self.proc.poll() is None and _startup_env(env) == _startup_env(self.env) and \
+            (self.nofile_hard == resource.RLIM_INFINITY or
+             hard != resource.RLIM_INFINITY and hard <= self.nofile_hard)
 
     def spawn(self, program: str, argv: list[str], args: list[str], env: dict[str, str],
               stderr_fd: int) -> ForkedProc:
@@ -297,7 +305,8 @@ class ForkServer:
             conn.settimeout(30.0)
             conn.connect(self.sock_path)
             body = json.dumps({"program": program, "argv": argv, "env": env,
-                               "cwd": os.getcwd()}).encode()
+                               "cwd": os.getcwd(), "umask": _umask(),
+                               "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)}).encode()
             message = struct.pack("!I", len(body)) + body
             # fd 0 itself (under pytest sys.stdin is a stand-in without a file descriptor)
             stdin_fd = 0 if _fd_open(0) else os.open(os.devnull, os.O_RDONLY)
@@ -333,6 +342,12 @@ class ForkServer:
             except Exception:  # noqa: BLE001 - a server that hangs is killed
                 self.proc.kill()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fd_open(fd: int) -> bool:

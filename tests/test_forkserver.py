@@ -76,3 +76,20 @@ def test_refused_start_through_the_cli_matches_a_fresh_interpreter(tmp_path):
                            stdin=subprocess.DEVNULL)
     assert forked_rc == fresh.returncode != 0
     assert fresh.stderr.strip() and fresh.stderr.strip() in node.log_tail()
+
+
+def test_forked_node_takes_the_callers_open_files_limit(tmp_path):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(hard, 4096) if soft != min(hard, 4096) else soft - 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    try:
+        with Swarm(tmp_path) as s:
+            a = s.add("A", backend="sim", digest=False)
+            assert isinstance(a.proc, _forkserver.ForkedProc)
+            with open(f"/proc/{a.proc.pid}/limits") as f:
+                line = next(ln for ln in f if ln.startswith("Max open files"))
+            assert line.split()[3] == str(wanted), line
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
