@@ -265,6 +265,7 @@ class ForkServer:
 
         self._dir = tempfile.mkdtemp(prefix="pm-forkserver-")
         self.nofile_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        self._owner = os.getpid()  # a forked copy of the test process must not close it
         self.sock_path = os.path.join(self._dir, "sock")
         self.env = dict(env)
         self.log_path = os.path.join(self._dir, "server.log")
@@ -335,6 +336,8 @@ class ForkServer:
     def close(self) -> None:
         import shutil
 
+        if os.getpid() != self._owner:
+            return
         if self.proc.poll() is None:
             self.proc.stdin.close()  # the server exits at EOF
             try:
