@@ -4,7 +4,9 @@ entry point ``tests/_fault_node.py`` (``bench/node_entry.py`` plus fault injecti
 
 Not a test module. Each :class:`NodeProc` is one node process with its own key, cache
 dir and log file; it is started, read for its printed multiaddrs (up to ``ready``), and
-always killed at the end (``Swarm`` is a context manager).
+always killed at the end (``Swarm`` is a context manager). The process is forked from the
+session's pre-imported fork server where it can be (``tests/_forkserver.py``: the same
+main, saving ~2 s of imports per start; ``PREFIXMESH_TEST_FORKSERVER=0`` turns it off).
 """
 
 from __future__ import annotations
