@@ -154,8 +154,9 @@ _ZERO_KV_BUFFERS = False
 _PREFILL_TOKENS_WHILE_DECODING = 128
 # throughput mode: finished sequences whose prompt cells stay resident. One, like the
 # deterministic live sequence: in a unified KV cache every step's attention spans all used
-# cells, so 8 resident 533-token prompts made a warm request 1.7x slower (measured,
-# docs/bench/engine.md section 7) for prefixes the RAM tier restores in ~10 ms
+# cells, so 8 resident 533-token prompts made a warm request 1.7x slower, and 32 resident
+# 136-token ones a cycled request 2.2x slower (measured, docs/bench/engine.md sections 7
+# and 8; bench_residents) for prefixes the RAM tier restores in ~2-10 ms
 _RESIDENT_SEQUENCES = 1
 BATCH_MODES = ("deterministic", "throughput")
 
