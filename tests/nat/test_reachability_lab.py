@@ -106,16 +106,18 @@ def test_verdicts_and_hole_punching_per_nat_type(tmp_path):
             wait_until(lambda: any(ok and peer_of.get(p) in "AB"
                                    for n in "AB" for p, ok in _punches(nodes[n])),
                        timeout_s=180, interval_s=1.0, what="a hole punch between A and B")
-            # figures: let each EIM home's auto-drive also try the other homes (the
-            # symmetric one declines at once: it does not run DCUtR); not asserted
+            # figures only: let each EIM home's auto-drive also try the other homes (the
+            # symmetric one declines at once: it does not run DCUtR); not asserted, so a
+            # plain run does not wait for it (up to 30 s)
             def tried_both(n: str) -> bool:
                 others = {peer_of.get(p) for p, _ in _punches(nodes[n])}
                 return {"AB".replace(n, ""), "C"} <= others
-            try:
-                wait_until(lambda: all(tried_both(n) for n in "AB"), timeout_s=30,
-                           interval_s=1.0, what="punch outcomes towards every other home")
-            except AssertionError:
-                pass
+            if FIGURES:
+                try:
+                    wait_until(lambda: all(tried_both(n) for n in "AB"), timeout_s=30,
+                               interval_s=1.0, what="punch outcomes towards every other home")
+                except AssertionError:
+                    pass
             per_type: dict[str, list[int]] = {}
             for n in "AB":
                 for p, ok in _punches(nodes[n]):
