@@ -47,7 +47,13 @@ def _warm(entry, server, messages) -> None:
             info.n_hashes >= before + first.final.prompt_tokens // 16 - 1
 
     wait_until(knows, timeout_s=30, what=f"{entry.name} to learn {server.name}'s prefix")
-    time.sleep(1.0)  # heartbeats report the server idle again (load steers routing too)
+
+    def sees_idle():  # load steers routing too: heartbeats must report the server idle
+        info = {p.peer: p for p in peers(entry.addr).peers}.get(server.peer_id)
+        return info is not None and info.up and info.active == 0 and info.queue_depth == 0
+
+    wait_until(sees_idle, timeout_s=30, interval_s=0.2,
+               what=f"{entry.name} to see {server.name} idle")
 
 
 def _stats(node) -> dict[str, int]:
