@@ -89,6 +89,7 @@ __all__ = [
     "Entry",
     "Match",
     "RadixTree",
+    "as_tokens",
 ]
 
 
@@ -192,7 +193,8 @@ def _common_prefix(key: tuple[int, ...], query: tuple[int, ...], start: int) -> 
     return i
 
 
-def _as_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
+def as_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
+    """``tokens`` as the tree keys them (a tuple of ints); a clear error for anything else."""
     if isinstance(tokens, str | bytes | bytearray | memoryview):
         raise InvalidTokensError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
     try:
@@ -282,8 +284,12 @@ class RadixTree:
         Returns the entry (an existing one for the same tokens is updated in place), or
         ``None`` if the item cannot fit; in that case nothing changes.
         """
+        self._check_not_in_callback("insert")  # before the tokens' check, as always
+        return self.insert_key(as_tokens(tokens), payload, size_bytes)
+
+    def insert_key(self, key: tuple[int, ...], payload: object, size_bytes: int) -> Entry | None:
+        """``insert`` of a key already in the tree's form (see :meth:`match_key`)."""
         self._check_not_in_callback("insert")
-        key = _as_tokens(tokens)
         if not key:
             raise InvalidTokensError("cannot insert an empty token sequence")
         size = _as_byte_count(size_bytes, "size_bytes")
@@ -328,7 +334,15 @@ class RadixTree:
 
     def match(self, tokens: Sequence[int]) -> Match:
         """Longest cached prefix of ``tokens`` and the entry to restore it from (marked used)."""
-        query = _as_tokens(tokens)
+        return self.match_key(as_tokens(tokens))
+
+    # The ``*_key`` methods take a key already in the tree's form: a tuple of ints, such
+    # as an entry's ``tokens``, a slice of them, or ``as_tokens`` of a caller's tokens.
+    # They skip the conversion and check of every element, which a caller making several
+    # calls per prompt (SegmentTree: about a dozen per saved prompt) would pay each time.
+
+    def match_key(self, query: tuple[int, ...]) -> Match:
+        """``match`` of a key already in the tree's form."""
         node = self._root
         depth = 0
         end = len(query)
@@ -352,7 +366,10 @@ class RadixTree:
     def longest_prefix_entry(self, tokens: Sequence[int]) -> Entry | None:
         """The longest stored entry whose tokens are a prefix of ``tokens`` (``tokens``
         itself included), or None. Does not count as a use. O(L) like ``match``."""
-        query = _as_tokens(tokens)
+        return self.longest_prefix_entry_key(as_tokens(tokens))
+
+    def longest_prefix_entry_key(self, query: tuple[int, ...]) -> Entry | None:
+        """``longest_prefix_entry`` of a key already in the tree's form."""
         node = self._root
         depth = 0
         found: Entry | None = None
@@ -368,12 +385,16 @@ class RadixTree:
 
     def get(self, tokens: Sequence[int]) -> Entry | None:
         """The entry for exactly ``tokens``, or None. Does not count as a use."""
-        return self._entries.get(_as_tokens(tokens))
+        return self._entries.get(as_tokens(tokens))
+
+    def get_key(self, key: tuple[int, ...]) -> Entry | None:
+        """``get`` of a key already in the tree's form."""
+        return self._entries.get(key)
 
     def remove(self, tokens: Sequence[int]) -> Entry | None:
         """Remove the entry for exactly ``tokens`` (calling ``on_evict``); None if absent."""
         self._check_not_in_callback("remove")
-        entry = self._entries.get(_as_tokens(tokens))
+        entry = self._entries.get(as_tokens(tokens))
         if entry is None:
             return None
         if entry.pins:

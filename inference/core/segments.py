@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .radix import Entry, RadixTree
+from .radix import Entry, Match, RadixTree, as_tokens
 
-__all__ = ["RAM_TOKEN_OVERHEAD", "Segment", "SegmentTree", "branch_point", "ram_entry_bytes"]
+__all__ = ["RAM_TOKEN_OVERHEAD", "Segment", "SegmentTree", "branch_point", "branch_point_of",
+           "ram_entry_bytes"]
 
 RAM_TOKEN_OVERHEAD = 4  # bytes per key token a RAM entry is charged besides its payload
+_RECENT_KEYS = 2  # SegmentTree._key: prompts whose keys are kept (each a prompt's size)
 
 
 def ram_entry_bytes(payload_bytes: int, key_tokens: int) -> int:
@@ -65,9 +67,26 @@ class SegmentTree:
         self._on_evict = on_evict
         self._on_store = on_store
         self.tree = RadixTree(capacity_bytes, on_evict=self._evicted)
+        self._recent_keys: dict[int, tuple[tuple, tuple[int, ...]]] = {}  # see _key
 
     def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        return (self.NS_TOKEN, *tokens)
+        """The tree's key of ``tokens`` (checked here, once per public call: everything
+        below works on keys with the tree's ``*_key`` methods). A caller asks about one
+        prompt several times in a row (its lookup, then its match when it starts), so
+        the keys of the last few tuples are kept: the same tuple object (immutable) has
+        the same key, and converting a long prompt is the costly part."""
+        tuple_in = type(tokens) is tuple
+        if tuple_in:
+            known = self._recent_keys.get(id(tokens))
+            if known is not None and known[0] is tokens:
+                return known[1]
+        key = (self.NS_TOKEN, *as_tokens(tokens))
+        if tuple_in:
+            recent = self._recent_keys
+            if len(recent) >= _RECENT_KEYS:
+                del recent[next(iter(recent))]
+            recent[id(tokens)] = (tokens, key)  # holds ``tokens``: its id stays its own
+        return key
 
     # --- reads -----------------------------------------------------------------------
 
@@ -77,31 +96,36 @@ class SegmentTree:
 
     def lookup_length(self, tokens: Sequence[int]) -> int:
         """``KVStore.lookup_length``: tokens of ``tokens`` cached (marks the match used)."""
-        return max(0, self.tree.match(self._key(tokens)).length - 1)
+        return max(0, self.tree.match_key(self._key(tokens)).length - 1)
 
     def match(self, tokens: Sequence[int]) -> int:
         """``KVStore.acquire`` (a lease, released at once): the cached length; a hit marks
         the entry used, then its chain's parents, root first."""
-        m = self.tree.match(self._key(tokens))
+        return self._match(self._key(tokens))
+
+    def _match(self, key: tuple[int, ...]) -> int:
+        m = self.tree.match_key(key)
         if m.length - 1 >= 1:
             for parent in self._parents(m.entry):
-                self.tree.match(parent.tokens)
+                self.tree.match_key(parent.tokens)
         return max(0, m.length - 1)
 
     def get(self, tokens: Sequence[int]) -> Entry | None:
-        return self.tree.get(self._key(tokens))
+        return self.tree.get_key(self._key(tokens))
 
     def covered(self, tokens: Sequence[int]) -> bool:
         """``KVStore.covered``: some entry starts with all of ``tokens`` (may touch LRU)."""
-        key = self._key(tokens)
-        if self.tree.get(key) is not None:
+        return self._covered(self._key(tokens))
+
+    def _covered(self, key: tuple[int, ...]) -> bool:
+        if self.tree.get_key(key) is not None:
             return True
-        return self.tree.match(key).length == len(key)
+        return self.tree.match_key(key).length == len(key)
 
     def _parents(self, entry: Entry) -> list[Entry]:
         chain: list[Entry] = []
         while entry.payload.base:
-            entry = self.tree.get(entry.tokens[: entry.payload.base + 1])
+            entry = self.tree.get_key(entry.tokens[: entry.payload.base + 1])
             chain.append(entry)
         chain.reverse()
         return chain
@@ -113,65 +137,61 @@ class SegmentTree:
         value of a new entry for ``tokens[:n]`` (``on_store`` is told of each as it is
         stored, before any later eviction). Returns how many states were stored (0 when
         some entry covers ``tokens``)."""
-        tokens = tuple(tokens)
-        if not tokens or self.covered(tokens):
+        key = self._key(tokens)
+        n_tokens = len(key) - 1
+        if not n_tokens or self._covered(key):
             return 0
         saved = 0
-        base = self._parent_length(tokens)
-        split, other, other_base = self._branch_point(tokens)
+        base = self._parent_length(key)
+        split, other, other_base = branch_point_of(self.tree.match_key(key), key)
         rebase = None
         if other is not None and split - base >= self.min_share and other_base <= base:
-            if self._put(tokens[:split], base, value_of(split)):
+            if self._put(key[: split + 1], base, value_of(split)):
                 saved += 1
                 if other_base == base:
-                    rebase = (other, split)
+                    rebase = ((self.NS_TOKEN, *other), split)
                 base = split
-        if self._put(tokens, base, value_of(len(tokens))):
+        if self._put(key, base, value_of(n_tokens)):
             saved += 1
         if rebase is not None:
             self._rebase(*rebase)
         return saved
 
-    def _parent_length(self, tokens: tuple[int, ...]) -> int:
-        entry = self.tree.longest_prefix_entry(self._key(tokens)[:-1])
+    def _parent_length(self, key: tuple[int, ...]) -> int:
+        entry = self.tree.longest_prefix_entry_key(key[:-1])
         return len(entry.tokens) - 1 if entry is not None else 0
-
-    def _branch_point(self, tokens: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None, int]:
-        return branch_point(self.tree, self._key(tokens))
 
     def _size(self, n_tokens: int, base: int) -> int:
         return ram_entry_bytes((n_tokens - base) * self.bytes_per_token, n_tokens + 1)
 
-    def _put(self, tokens: tuple[int, ...], base: int, value: object) -> bool:
+    def _put(self, key: tuple[int, ...], base: int, value: object) -> bool:
         """``KVStore.put`` in one tier: replace an unpinned old state, link on the parent."""
-        key = self._key(tokens)
-        old = self.tree.get(key)
+        old = self.tree.get_key(key)
         if old is not None:
             if old.pins:
                 return False
             self.tree.remove(key)
         parent = None
         if base:
-            parent = self.tree.get(key[: base + 1])
+            parent = self.tree.get_key(key[: base + 1])
             if parent is None:
                 return False
             self.tree.pin(parent)
-        entry = self.tree.insert(key, Segment(base, value), self._size(len(tokens), base))
+        entry = self.tree.insert_key(key, Segment(base, value), self._size(len(key) - 1, base))
         if parent is not None:
             if entry is None:
                 self.tree.unpin(parent)
             else:
                 parent.payload.children.add(key)
         if entry is not None and self._on_store is not None:
-            self._on_store(tokens, value)
+            self._on_store(key[1:], value)
         return entry is not None
 
-    def _rebase(self, tokens: tuple[int, ...], new_base: int) -> bool:
-        """``KVStore.rebase``: ``tokens`` keeps only its tokens past ``new_base`` (the
-        engine leases the state first: a use)."""
-        self.match(tokens)
-        key = self._key(tokens)
-        entry, parent = self.tree.get(key), self.tree.get(key[: new_base + 1])
+    def _rebase(self, key: tuple[int, ...], new_base: int) -> bool:
+        """``KVStore.rebase``: the state of ``key`` keeps only its tokens past
+        ``new_base`` (the engine leases the state first: a use)."""
+        self._match(key)
+        entry, parent = self.tree.get_key(key), self.tree.get_key(key[: new_base + 1])
         if entry is None or parent is None or not 0 <= entry.payload.base < new_base:
             return False
         if not self._under(parent, entry.payload.base):
@@ -181,7 +201,7 @@ class SegmentTree:
         parent.payload.children.add(key)
         self._unlink(key, item)
         item.base = new_base
-        self.tree.insert(key, item, self._size(len(tokens), new_base))  # smaller
+        self.tree.insert_key(key, item, self._size(len(key) - 1, new_base))  # smaller
         return True
 
     def _under(self, entry: Entry, base: int) -> bool:
@@ -191,12 +211,12 @@ class SegmentTree:
                 return False
             if entry.payload.base == base:
                 return True
-            entry = self.tree.get(entry.tokens[: entry.payload.base + 1])
+            entry = self.tree.get_key(entry.tokens[: entry.payload.base + 1])
         return len(entry.tokens) - 1 == base
 
     def _unlink(self, key: tuple[int, ...], item: Segment) -> None:
         if item.base:
-            parent = self.tree.get(key[: item.base + 1])
+            parent = self.tree.get_key(key[: item.base + 1])
             if parent is not None and key in parent.payload.children:
                 parent.payload.children.discard(key)
                 self.tree.unpin(parent)
@@ -215,7 +235,11 @@ def branch_point(tree, key: tuple[int, ...]) -> tuple[int, tuple[int, ...] | Non
     ``other`` and diverges from it there (0 < L < both lengths); ``other_base`` is where
     that state's own segment starts. (0, None, 0) if there is no such state. One rule for
     the store (``KVStore.branch_point``) and :class:`SegmentTree`."""
-    m = tree.match(key)
+    return branch_point_of(tree.match(key), key)
+
+
+def branch_point_of(m: Match, key: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None, int]:
+    """:func:`branch_point` from the tree's ``match`` of ``key``."""
     length = m.length - 1
     if m.entry is None or length <= 0 or length >= len(key) - 1:
         return 0, None, 0

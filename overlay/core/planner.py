@@ -61,6 +61,7 @@ from .routing import (
     Policy,
     RouteContext,
     RouterMemory,
+    make_candidate,
 )
 
 __all__ = [
@@ -203,6 +204,10 @@ class PartitionedView:
     def priced_peers(self) -> Iterable[bytes]:
         """Exactly the peers whose ``load_of`` is not None (ourselves possibly included)."""
         return self.pd.priced_peers()
+
+    def priced_version(self) -> int:
+        """Changes whenever ``priced_peers`` does (what the planner caches it by)."""
+        return self.pd.priced_version
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -392,6 +397,8 @@ class Planner:
         self.view = view
         self.memory = memory if memory is not None else RouterMemory.for_policy(policy, me)
         self.rng = rng if rng is not None else random.Random(0)  # draws the shed candidates
+        # _shed_pool's sorted priced peers: (peer table, view's priced_version, sorted, set)
+        self._priced_sorted: tuple | None = None
 
     def plan(self, inp: PlanInput, now: float) -> Plan:
         """What to do with one request (see the module docstring)."""
@@ -458,44 +465,47 @@ class Planner:
         return {p for p, link in inp.peers.items() if p != me and p not in visited
                 and vouches(p) and fits_context(inp.prompt_tokens, link.context_tokens)}
 
-    def _load(self, inp: PlanInput, peer: bytes) -> tuple[float, LoadFigures | None] | None:
-        """A peer's load (a PONG's, else its digest's) and digest figures; None: unknown."""
-        link = inp.peers[peer]
-        figures = self.view.load_of(peer)
-        if link.load is not None:
-            return link.load, figures
-        if figures is None:
-            return None  # nothing to price it with
-        return float(figures.queue_depth + figures.active), figures
-
-    def _candidate(self, inp: PlanInput, peer: bytes, blocks: int,
-                   known: tuple[float, LoadFigures | None]) -> Candidate:
-        load, figures = known
-        return Candidate(
-            peer=peer,
-            matched_tokens=min(blocks * BLOCK_TOKENS, inp.prompt_tokens),
-            prefill_tps=max(figures.prefill_tps, 0.0) if figures is not None else 0.0,
-            queue_wait_s=load * inp.avg_request_s,
-            load=load,
-            rtt_s=link_cost_s(inp.peers[peer]),
-            trust=min(1.0, max(0.0, inp.trust.get(peer, 1.0))),
-        )
-
-    def _candidates(self, inp: PlanInput, matches: Mapping[bytes, int], eligible: set[bytes],
-                    counters: list[str]) -> list[Candidate]:
+    def _priced(self, inp: PlanInput, peers: Iterable[tuple[bytes, int]]) -> list[Candidate]:
+        """A candidate for each (peer, matched blocks) that can be priced: its load from a
+        PONG, else its digest's (queued + running); a peer with neither is left out.
+        (Runs for every holder of every request: locals bound, one loop.)"""
+        links, trust, load_of = inp.peers, inp.trust.get, self.view.load_of
+        prompt_tokens, avg_request_s = inp.prompt_tokens, inp.avg_request_s
         out: list[Candidate] = []
-        for peer in sorted(p for p in matches if p in eligible):
-            known = self._load(inp, peer)
-            if known is not None:
-                out.append(self._candidate(inp, peer, matches[peer], known))
+        for peer, blocks in peers:
+            link = links[peer]
+            figures = load_of(peer)
+            load = link.load
+            if load is None:
+                if figures is None:
+                    continue  # nothing to price it with
+                load = float(figures.queue_depth + figures.active)
+            out.append(make_candidate(
+                peer,
+                min(blocks * BLOCK_TOKENS, prompt_tokens),
+                max(figures.prefill_tps, 0.0) if figures is not None else 0.0,
+                load * avg_request_s,
+                load,
+                link_cost_s(link),
+                min(1.0, max(0.0, trust(peer, 1.0))),
+            ))  # fmt: skip
+        return out
+
+    def _candidates(self, inp: PlanInput, matches: Mapping[bytes, int],
+                    eligible: Collection[bytes], counters: list[str]) -> list[Candidate]:
+        if isinstance(eligible, _AllBut):  # the same peers, by set operations
+            holders = eligible.ids.intersection(matches).difference(eligible.excluded)
+        else:
+            holders = (p for p in matches if p in eligible)
+        out = self._priced(inp, ((p, matches[p]) for p in sorted(holders)))
         # a few unmatched peers, drawn at random, let the policy shed load (the power of
         # two choices: the cost model picks the lighter; "least loaded first" herds every
         # router onto the same peers while load figures are seconds old)
         pool = self._shed_pool(inp, matches, eligible)
-        for peer in self.rng.sample(pool, min(MAX_SHED_CANDIDATES, len(pool))):
-            known = self._load(inp, peer)
-            assert known is not None  # the pool holds priced peers only
-            out.append(self._candidate(inp, peer, 0, known))
+        drawn = self.rng.sample(pool, min(MAX_SHED_CANDIDATES, len(pool)))
+        shed = self._priced(inp, ((p, 0) for p in drawn))
+        assert len(shed) == len(drawn)  # the pool holds priced peers only
+        out += shed
         if inp.subnets is not None and out:
             # Sybil basics: many identities behind one subnet count as few candidates;
             # the most trusted, longest claims of each subnet are kept
@@ -509,21 +519,31 @@ class Planner:
 
     def _shed_pool(self, inp: PlanInput, matches: Mapping[bytes, int],
                    eligible: Collection[bytes]) -> list[bytes]:
-        """The eligible, unmatched peers with a load figure (``_load`` not None), sorted."""
-        priced = getattr(self.view, "priced_peers", None)
-        if isinstance(inp.peers, FrozenPeers) and priced is not None:
-            # _load is not None exactly for a PONG figure or a digest figure
-            pool = set(priced())
-            pool |= inp.peers.loaded
-            pool &= inp.peers.ids
-            if isinstance(eligible, _AllBut):
-                pool -= eligible.excluded
-            else:
-                pool &= eligible
-            pool.difference_update(matches)
-            return sorted(pool)
+        """The eligible, unmatched peers that can be priced (a PONG load or a digest's
+        figures, as in ``_priced``), sorted."""
+        peers = inp.peers
+        priced_version = getattr(self.view, "priced_version", None)
+        if isinstance(peers, FrozenPeers) and priced_version is not None:
+            # the priced peers change rarely (a peer's first figures): keep them sorted
+            # per (peer table, version) and take out the few excluded and matched ones
+            version = priced_version()
+            cached = self._priced_sorted
+            if cached is None or cached[0] is not peers or cached[1] != version:
+                known = set(self.view.priced_peers())
+                known |= peers.loaded
+                known &= peers.ids
+                cached = self._priced_sorted = (peers, version, tuple(sorted(known)), known)
+            _, _, ranked, known = cached
+            left_out = known.intersection(matches)
+            left_out.update(known.intersection(eligible.excluded) if isinstance(eligible, _AllBut)
+                            else known.difference(eligible))  # fmt: skip
+            out = list(ranked)
+            for p in sorted(left_out, reverse=True):
+                del out[bisect.bisect_left(ranked, p)]
+            return out
+        load_of = self.view.load_of
         return sorted(p for p in eligible if p not in matches
-                      and self._load(inp, p) is not None)  # fmt: skip
+                      and (peers[p].load is not None or load_of(p) is not None))
 
     def _action(self, inp: PlanInput, ctx: RouteContext, decision: Decision, carry,
                 counters: tuple[str, ...]) -> Plan:

@@ -128,6 +128,7 @@ __all__ = [
     "load_bound",
     "local_cost_s",
     "is_hot",
+    "make_candidate",
     "make_policy",
     "peer_label",
     "rendezvous_score",
@@ -264,6 +265,32 @@ class Candidate:
         if self.trust > 1:
             raise InvalidRouteContext(f"candidate trust must be in [0, 1], got {self.trust!r}")
         _finite_nonneg(self.recent_placed, "candidate recent_placed", InvalidRouteContext)
+
+
+_new_object = object.__new__
+_set_attr = object.__setattr__  # a frozen dataclass refuses its own __setattr__
+
+
+def make_candidate(peer: bytes, matched_tokens: int, prefill_tps: float, queue_wait_s: float,
+                   load: float, rtt_s: float, trust: float = 1.0) -> Candidate:
+    """``Candidate(...)`` for hot loops (the planner builds one per holder and request):
+    the usual values (bytes, an int, floats in range) are checked inline and the object
+    is built without the dataclass machinery; anything else goes through the validating
+    constructor, so a bad value raises exactly its error."""
+    if (type(peer) is bytes and type(matched_tokens) is int and matched_tokens >= 0
+            and type(prefill_tps) is float and 0.0 <= prefill_tps < _INF
+            and type(queue_wait_s) is float and 0.0 <= queue_wait_s < _INF
+            and type(load) is float and 0.0 <= load < _INF
+            and type(rtt_s) is float and 0.0 <= rtt_s < _INF
+            and type(trust) is float and 0.0 <= trust <= 1.0):  # fmt: skip
+        c = _new_object(Candidate)
+        _set_attr(c, "__dict__", {
+            "peer": peer, "matched_tokens": matched_tokens, "prefill_tps": prefill_tps,
+            "queue_wait_s": queue_wait_s, "load": load, "rtt_s": rtt_s, "trust": trust,
+            "recent_placed": 0.0,
+        })  # fmt: skip
+        return c
+    return Candidate(peer, matched_tokens, prefill_tps, queue_wait_s, load, rtt_s, trust)
 
 
 def _with_recent_placed(c: Candidate, value: float) -> Candidate:
