@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 #: identity bothers to stay, short enough that a restarted honest peer regains it soon
 LONG_STANDING_S = 30.0
 
+#: seconds a peer's own load figures (PONG/ACK) count as fresher than its digest's: the
+#: heartbeat brings them every 0.5 s, SWIM once per probe round (N periods at N members)
+FRESH_LOAD_S = 5.0
+
 #: hint peers waiting for a monitoring slot; beyond this the oldest is dropped (a flood of
 #: fresh identities costs this much memory at most, and a hint that is dropped comes back
 #: with the next record naming it)
@@ -86,6 +90,7 @@ class PeerHealth:
     contacted: bool = False
     acked_since: float | None = None  # monotonic
     incarnation: int = 0
+    figures_at: float | None = None  # monotonic: when queue_depth/active last arrived
 
 
 class Liveness:
@@ -138,6 +143,15 @@ class Liveness:
     def rtt_s(self, peer: bytes) -> float | None:
         h = self.health.get(peer)
         return h.rtt_s if h else None
+
+    def fresh_load(self, peer: bytes, now: float | None = None) -> float | None:
+        """The peer's queue depth + running requests as it last told us, if within
+        :data:`FRESH_LOAD_S`; None: older or never (routing then reads the digest's)."""
+        h = self.health.get(peer)
+        if h is None or h.figures_at is None:
+            return None
+        now = time.monotonic() if now is None else now
+        return float(h.queue_depth + h.active) if now - h.figures_at <= FRESH_LOAD_S else None
 
     def merit(self, peer: bytes) -> int:
         """Admission merit (core/admission.py): never up, seen up, or long-standing."""
@@ -373,6 +387,7 @@ class Heartbeat(Liveness):
         h.misses = 0
         h.pongs += 1
         h.queue_depth, h.active = frame.queue_depth, frame.active
+        h.figures_at = h.last_pong
         if frame.summary_hash:
             h.summary_hash = frame.summary_hash
         if frame.n_ctx:

@@ -571,6 +571,7 @@ class InferService:
         entry = not req.trace if first_planner is None else first_planner
         visited = frozenset(req.visited) | {self.me}
         health = self.heartbeat.health
+        fresh_load = getattr(self.heartbeat, "fresh_load", lambda peer: None)
         own_model = self.backend.model_fingerprint
         peers: dict[bytes, PeerLink] = {}
         for peer in self.heartbeat.up_peers():
@@ -581,8 +582,8 @@ class InferService:
                 continue  # a node of another model: its caches and tokens are not ours
             peers[peer] = PeerLink(
                 rtt_s=h.rtt_s if h is not None else None,
-                # a PONG's figures are fresher than the digest's
-                load=float(h.queue_depth + h.active) if h is not None and h.pongs else None,
+                # figures the peer gave us (PONG/ACK), while fresher than its digest's
+                load=fresh_load(peer) if h is not None else None,
                 addrs=tuple(self.host.remote_addrs(peer)) if self._subnets is not None else (),
                 context_tokens=h.n_ctx or None if h is not None else None,
                 # through a relay (issue 16): the planner charges the relay's extra RTT

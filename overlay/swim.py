@@ -359,6 +359,7 @@ class Swim(Liveness):
         info = ack.info
         if info is not None:
             h.queue_depth, h.active = info.queue_depth, info.active
+            h.figures_at = now
             if info.n_ctx:
                 h.n_ctx = info.n_ctx
             if info.summary_hash:

@@ -12,6 +12,7 @@ import trio
 from prefixmesh.overlay.core import dialing
 from prefixmesh.overlay.core import membership as mb
 from prefixmesh.overlay.core.identity import Identity
+from prefixmesh.overlay.heartbeat import FRESH_LOAD_S
 from prefixmesh.overlay.host import OverlayHost
 from prefixmesh.overlay.swim import Swim
 
@@ -62,6 +63,9 @@ def test_two_nodes_probe_each_other_and_carry_figures_on_acks():
             hb, ha = sa.health[b.peer_id], sb.health[a.peer_id]
             assert hb.rtt_s is not None and hb.pongs > 0 and (hb.queue_depth, hb.active) == (2, 1)
             assert ha.model_name == "model-a" and ha.n_ctx == 4096
+            # routing reads the ACK's load while fresh, the digest's after that
+            assert sa.fresh_load(b.peer_id) == 3.0
+            assert sa.fresh_load(b.peer_id, now=hb.figures_at + FRESH_LOAD_S + 1) is None
             assert sa.up_peers_of(b"\x01" * 32) == [b.peer_id]  # b never said: any model
             assert sa.merit(b.peer_id) == 1 and not sa.is_known(b.peer_id)  # seen up, young
             assert sa.stats["bad_messages"] == 0 and sb.pings_answered > 0
