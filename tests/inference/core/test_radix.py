@@ -28,6 +28,7 @@ from prefixmesh.inference.core.radix import (
     RadixTree,
     ReentrancyError,
     UnknownEntryError,
+    as_tokens,
 )
 
 
@@ -664,3 +665,28 @@ def test_longest_prefix_entry_matches_a_brute_force_scan(stored, query):
     before = [e.last_used for e in tree.entries()]
     tree.longest_prefix_entry(q)
     assert [e.last_used for e in tree.entries()] == before  # no LRU touch
+
+
+@settings(max_examples=100, deadline=None)
+@given(stored=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=8),
+       query=st.lists(st.integers(0, 3), max_size=10))
+def test_key_methods_answer_as_the_public_ones(stored, query) -> None:
+    """``match_key`` / ``get_key`` / ``longest_prefix_entry_key`` / ``insert_key`` on
+    ``as_tokens(...)`` give what the converting methods give (two trees, same calls)."""
+    public, keyed = RadixTree(1000), RadixTree(1000)
+    for tokens in stored:
+        a = public.insert(tokens, "p", len(tokens))
+        b = keyed.insert_key(as_tokens(tokens), "p", len(tokens))
+        assert (a is None) == (b is None)
+    key = as_tokens(query)
+
+    def tokens_of(entry):
+        return entry.tokens if entry is not None else None
+
+    assert tokens_of(public.get(query)) == tokens_of(keyed.get_key(key))
+    assert (tokens_of(public.longest_prefix_entry(query))
+            == tokens_of(keyed.longest_prefix_entry_key(key)))
+    mp, mk = public.match(query), keyed.match_key(key)
+    assert mp.length == mk.length and tokens_of(mp.entry) == tokens_of(mk.entry)
+    assert [e.tokens for e in public.entries()] == [e.tokens for e in keyed.entries()]
+    keyed._check_invariants()

@@ -38,6 +38,7 @@ request_st = st.tuples(
     st.integers(0, 6 * BLOCK_TOKENS),  # local match
     st.integers(0, 3),  # visited peers
     st.booleans(),  # forwarded in
+    st.one_of(st.none(), st.integers(0, N_PEERS - 1)),  # a peer priced just before it
 )
 
 
@@ -72,7 +73,12 @@ def test_frozen_peers_plan_exactly_like_a_dict(peers, requests, seed):
     plain, frozen = _planner(me, pd), _planner(me, pd)
     table = FrozenPeers(links)
     order = sorted(links)
-    for t, (local, n_visited, forwarded) in enumerate(requests):
+    for t, (local, n_visited, forwarded, newly_priced) in enumerate(requests):
+        if newly_priced is not None and newly_priced < len(order):
+            # a peer's first load figures arrive between plans: the frozen path's cached
+            # shed pool must follow (PartitionedDigest.priced_version)
+            pd.note_answer([HolderMatch(order[newly_priced], 1, LoadFigures(0, 1, 300.0, 90.0),
+                                        float(t) + 60.0)])  # fmt: skip
         visited = frozenset(order[:n_visited])
         plans = []
         for planner, peer_map in ((plain, links), (frozen, table)):

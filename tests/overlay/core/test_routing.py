@@ -29,6 +29,7 @@ from prefixmesh.overlay.core.routing import (
     is_hot,
     load_bound,
     local_cost_s,
+    make_candidate,
     placement_bound,
     rent_key,
 )
@@ -700,3 +701,30 @@ def test_router_memory_disabled_leaves_every_ledger_field_zero() -> None:
             0.0, 0.0, 0.0, 0)
         assert c.candidates[0].recent_placed == 0.0
     assert len(mem.placements) == 0 and len(mem.rent) == 0
+
+
+_number_st = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3), st.booleans(),
+    st.sampled_from([0.0, -0.0, 1.0, 0.5, 420.0]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(peer=st.one_of(st.binary(min_size=1, max_size=4), st.text(max_size=2)),
+       matched=st.one_of(st.integers(-2, 10_000), st.floats(0, 10), st.booleans()),
+       values=st.tuples(_number_st, _number_st, _number_st, _number_st, _number_st))
+def test_make_candidate_is_the_validating_constructor(peer, matched, values) -> None:
+    """The planner's fast constructor builds exactly ``Candidate(...)``, and refuses
+    exactly what it refuses, with the same error."""
+    args = (peer, matched, *values)
+    try:
+        expected = Candidate(*args)
+    except InvalidRouteContext as exc:
+        with pytest.raises(InvalidRouteContext) as got:
+            make_candidate(*args)
+        assert str(got.value) == str(exc)
+        return
+    made = make_candidate(*args)
+    assert made == expected and repr(made) == repr(expected)
+    assert all(type(getattr(made, f)) is type(getattr(expected, f)) for f in vars(expected))
+    assert made.recent_placed == 0.0
