@@ -1,4 +1,11 @@
-"""Keep-alives on ``/prefixmesh/ping/1.0.0``: notice frozen peers, measure RTT.
+"""Liveness: the table of who is up that the node reads, and the all-to-all heartbeat.
+
+:class:`Liveness` holds :class:`PeerHealth` per peer and answers the node's questions
+(up peers, of a model, RTT, fresh load, merit, ``wait_down``); :class:`~.swim.Swim` (the
+default, docs/SCALING.md) and :class:`Heartbeat` (below: the measured baseline, kept as
+a fallback, ``NodeOptions.membership = "heartbeat"``) fill it.
+
+Keep-alives on ``/prefixmesh/ping/1.0.0``: notice frozen peers, measure RTT.
 
 Why our own ping: a peer frozen with SIGSTOP (or a wedged process) keeps its TCP
 connection open; reads from it block forever, writes "succeed", and py-libp2p notices
