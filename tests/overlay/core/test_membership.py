@@ -207,6 +207,22 @@ def test_a_newcomer_learns_the_mesh_from_one_sync_and_sync_is_bounded():
     assert not [s for s in a.receive(b"n", ping.message, 0.03) if isinstance(s.message, Sync)]
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(peers, st.lists(st.text(min_size=1, max_size=mb.MAX_ADDR_CHARS),
+                                          min_size=0, max_size=mb.MAX_ADDRS)),
+                max_size=150, unique_by=lambda t: t[0])
+       .filter(lambda ms: not {b"\xfe" * 8, b"\xff" * 8} & {p for p, _ in ms}))
+def test_a_sync_always_fits_one_message_and_decodes(members):
+    a = Membership(b"\xff" * 8, now=0.0, incarnation=3, rng=random.Random(0))
+    for peer, addrs in members:
+        a.join(peer, 0.0, addrs)
+    [sync] = [s for s in a.receive(b"\xfe" * 8, Ping(1, 1), 0.0) if isinstance(s.message, Sync)]
+    data = encode_message(sync.message)
+    assert len(data) <= mb.MAX_MESSAGE_BYTES
+    assert decode_message(data) == sync.message
+    assert sync.message.updates[0].peer == b"\xff" * 8  # the sender itself comes first
+
+
 def test_a_suspected_member_refutes_with_a_higher_incarnation():
     a, b = _pair()
     b.receive(b"a", Ping(1, 1, (Update(b"b", 1, SUSPECT),)), 0.0)
