@@ -20,10 +20,11 @@ from prefixmesh.overlay.core import wire  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SYSTEM = (
+STORYTELLER = (
     "You are a storyteller. You write long, detailed stories about sailors, lighthouses, "
     "storms, maps and distant islands, with many characters and vivid descriptions. "
-) * 8
+)
+SYSTEM = STORYTELLER * 8
 STORY = [("system", SYSTEM), ("user", "Tell me a long story about a lighthouse keeper.")]
 OTHER_SYSTEM = (
     "You are a careful gardener. You explain how to grow tomatoes, beans, herbs and "
@@ -102,8 +103,11 @@ def test_wrong_tokens_are_caught_by_spot_checks(tmp_path):
 
 
 def _liar_prompt(i: int) -> list[tuple[str, str]]:
-    # distinct from the first block on: nobody can hold another request's prefix
-    return [("system", f"Logbook entry {i}, harbour {i * 7 % 13}. " + SYSTEM),
+    # distinct from the first block on: nobody can hold another request's prefix; ~200
+    # tokens (12 blocks, the liar claims them all): the test's cost is 48 cold prefills of
+    # these, and the saving a claim promises and the saving a forward requires both scale
+    # with the prompt's length
+    return [("system", f"Logbook entry {i}, harbour {i * 7 % 13}. " + STORYTELLER * 5),
             ("user", f"Tell me story number {i} about the lighthouse keeper.")]
 
 
