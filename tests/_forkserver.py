@@ -407,8 +407,8 @@ def spawn(args: list[str], env: dict[str, str], stderr_fd: int,
         return None
     try:
         return _server.spawn(program[0], program[1], list(args), env, stderr_fd)
-    except (OSError, RuntimeError) as exc:
-        _server_failed = True
+    except (OSError, RuntimeError) as exc:  # this start goes without; a dead server for good
+        _server_failed = _server.proc.poll() is not None
         print(f"tests/_forkserver: not used ({exc}); log: {_server._log_tail()}",
               file=sys.stderr)
         return None
