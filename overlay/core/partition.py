@@ -270,8 +270,6 @@ class PartitionedDigest:
         self._inflight: dict[tuple[int, bytes], tuple[tuple[int, int] | None, float]] = {}
         self._load: tuple[LoadFigures, int, int] | None = None
         self._estimates: dict[bytes, tuple[float, LoadFigures]] = {}
-        # changes whenever the set of peers in _estimates does (priced_peers)
-        self.priced_version = 0
         # lookup answers this node received as a router (both shells use this one)
         self.lookup_cache = LookupCache(config.lookup_ttl_s, config.key_depth)
         self.stats = {"pushes": 0, "acks": 0, "lookups_answered": 0, "refused_pushes": 0,
@@ -496,8 +494,6 @@ class PartitionedDigest:
 
     def _note_load(self, peer: bytes, expires_at: float, load: LoadFigures) -> None:
         known = self._estimates.get(peer)
-        if known is None:
-            self.priced_version += 1  # a peer we can price for the first time
         if known is None or known[0] < expires_at:
             self._estimates[peer] = (expires_at, load)
 
@@ -546,8 +542,7 @@ class PartitionedDigest:
         return [p for p in self._estimates if p != self.peer_id]
 
     def priced_peers(self) -> Iterable[bytes]:
-        """Every peer :meth:`load_of` answers for (ourselves included): a live view;
-        ``priced_version`` changes whenever this set does."""
+        """Every peer :meth:`load_of` answers for (ourselves included): a live view."""
         return self._estimates.keys()
 
     def held_bytes(self) -> int:

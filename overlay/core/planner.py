@@ -205,10 +205,6 @@ class PartitionedView:
         """Exactly the peers whose ``load_of`` is not None (ourselves possibly included)."""
         return self.pd.priced_peers()
 
-    def priced_version(self) -> int:
-        """Changes whenever ``priced_peers`` does (what the planner caches it by)."""
-        return self.pd.priced_version
-
 
 # ---------------------------------------------------------------------------- inputs
 
@@ -397,8 +393,6 @@ class Planner:
         self.view = view
         self.memory = memory if memory is not None else RouterMemory.for_policy(policy, me)
         self.rng = rng if rng is not None else random.Random(0)  # draws the shed candidates
-        # _shed_pool's sorted priced peers: (peer table, view's priced_version, sorted, set)
-        self._priced_sorted: tuple | None = None
 
     def plan(self, inp: PlanInput, now: float) -> Plan:
         """What to do with one request (see the module docstring)."""
@@ -522,25 +516,21 @@ class Planner:
         """The eligible, unmatched peers that can be priced (a PONG load or a digest's
         figures, as in ``_priced``), sorted."""
         peers = inp.peers
-        priced_version = getattr(self.view, "priced_version", None)
-        if isinstance(peers, FrozenPeers) and priced_version is not None:
-            # the priced peers change rarely (a peer's first figures): keep them sorted
-            # per (peer table, version) and take out the few excluded and matched ones
-            version = priced_version()
-            cached = self._priced_sorted
-            if cached is None or cached[0] is not peers or cached[1] != version:
-                known = set(self.view.priced_peers())
-                known |= peers.loaded
-                known &= peers.ids
-                cached = self._priced_sorted = (peers, version, tuple(sorted(known)), known)
-            _, _, ranked, known = cached
-            left_out = known.intersection(matches)
-            left_out.update(known.intersection(eligible.excluded) if isinstance(eligible, _AllBut)
-                            else known.difference(eligible))  # fmt: skip
-            out = list(ranked)
-            for p in sorted(left_out, reverse=True):
-                del out[bisect.bisect_left(ranked, p)]
-            return out
+        priced = getattr(self.view, "priced_peers", None)
+        if isinstance(peers, FrozenPeers) and priced is not None:
+            # _priced prices exactly the peers with a PONG figure or a digest figure
+            pool = set(priced())
+            pool |= peers.loaded
+            pool &= peers.ids
+            if isinstance(eligible, _AllBut):
+                pool -= eligible.excluded
+            else:
+                pool &= eligible
+            pool.difference_update(matches)
+            if len(pool) * 16 < len(peers.sorted_ids):
+                return sorted(pool)
+            # sorted: the table's sorted ids filtered (C speed) instead of a sort per plan
+            return list(filter(pool.__contains__, peers.sorted_ids))
         load_of = self.view.load_of
         return sorted(p for p in eligible if p not in matches
                       and (peers[p].load is not None or load_of(p) is not None))

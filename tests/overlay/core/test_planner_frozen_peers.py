@@ -75,8 +75,8 @@ def test_frozen_peers_plan_exactly_like_a_dict(peers, requests, seed):
     order = sorted(links)
     for t, (local, n_visited, forwarded, newly_priced) in enumerate(requests):
         if newly_priced is not None and newly_priced < len(order):
-            # a peer's first load figures arrive between plans: the frozen path's cached
-            # shed pool must follow (PartitionedDigest.priced_version)
+            # a peer's first load figures arrive between plans: both paths' shed pools
+            # must follow
             pd.note_answer([HolderMatch(order[newly_priced], 1, LoadFigures(0, 1, 300.0, 90.0),
                                         float(t) + 60.0)])  # fmt: skip
         visited = frozenset(order[:n_visited])
