@@ -268,12 +268,15 @@ def test_a_small_mesh_detects_every_crash_and_never_wrongly_kills_on_a_clean_net
     assert r.false_deaths_per_node_hour == 0
 
 
-def test_lossy_links_and_short_freezes_cause_no_false_death():
-    # Seed 2: at 5 % loss a rare false death does happen (seeds 1 and 4 show one, before
-    # and after SYNC on join; seed 5 did too once SYNCs shifted the simulator's random
-    # draws), so this checks a typical run, not a bound
-    r = run(Config(nodes=32, seconds=200, loss=0.05, freeze_every_s=10, freeze_s=2, seed=2))
-    assert r.false_deaths_per_node_hour == 0  # indirect probes and refutation absorb them
+def test_lossy_links_and_short_freezes_keep_false_deaths_rare():
+    # At 5 % loss with a 2 s freeze every 10 s a live node is sometimes declared dead (it
+    # refutes when it hears of it): seeds 1-6 give 0 to 3 such deaths in 200 s of 32
+    # nodes, 0.55 per node-hour on average (docs/SCALING.md). The bound is on the rate over
+    # several seeds, not on one picked run.
+    rates = [run(Config(nodes=32, seconds=200, loss=0.05, freeze_every_s=10, freeze_s=2,
+                        seed=seed)).false_deaths_per_node_hour for seed in range(1, 7)]
+    assert sum(rates) / len(rates) < 1.0  # indirect probes and refutation absorb most
+    assert max(rates) < 3.0
 
 
 def test_traffic_per_node_does_not_grow_with_n():
