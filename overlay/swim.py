@@ -244,16 +244,7 @@ class Swim(Liveness):
                     wait = self.gate.retry_after_s(addrs, now) if addrs else VET_BACKOFF_MAX_S
                     await trio.sleep(min(max(wait, 0.1), VET_BACKOFF_MAX_S))
                     continue
-                ok = False
-                try:
-                    await self.host.connect(peer, ticket.addrs, DIAL_TIMEOUT_S)
-                    ok = True
-                except HostError as exc:
-                    self.stats["dial_failed"] += 1
-                    log.debug("membership dial %s failed: %s", peer_id_to_b58(peer)[-8:], exc)
-                finally:
-                    self.gate.done(ticket, ok)
-                if ok:
+                if await self._dial(peer, ticket):
                     break
                 failed += 1
                 if not persistent and failed >= NEVER_UP_ATTEMPTS:
@@ -509,6 +500,19 @@ class Swim(Liveness):
                 with trio.CancelScope(shield=True):
                     await fs.close()
 
+    async def _dial(self, peer: bytes, ticket) -> bool:
+        """One dial the gate admitted; the ticket is returned to the gate either way."""
+        ok = False
+        try:
+            await self.host.connect(peer, ticket.addrs, DIAL_TIMEOUT_S)
+            ok = True
+        except HostError as exc:
+            self.stats["dial_failed"] += 1
+            log.debug("membership dial %s failed: %s", peer_id_to_b58(peer)[-8:], exc)
+        finally:
+            self.gate.done(ticket, ok)
+        return ok
+
     async def _open(self, peer: bytes) -> FramedStream | None:
         """A stream to a member, dialling through the gate if we are not connected; None
         (the message is dropped: SWIM takes it as lost) when the gate refuses or the dial
@@ -520,15 +524,7 @@ class Swim(Liveness):
             if ticket is None:
                 self.stats["dial_refused"] += 1
                 return None
-            ok = False
-            try:
-                await self.host.connect(peer, ticket.addrs, DIAL_TIMEOUT_S)
-                ok = True
-            except HostError as exc:
-                self.stats["dial_failed"] += 1
-                log.debug("membership dial %s failed: %s", peer_id_to_b58(peer)[-8:], exc)
+            if not await self._dial(peer, ticket):
                 return None
-            finally:
-                self.gate.done(ticket, ok)
         stream = await self.host.open_stream(peer, SWIM_PROTOCOL, DIAL_TIMEOUT_S)
         return FramedStream(stream, timeout_s=WRITE_TIMEOUT_S)

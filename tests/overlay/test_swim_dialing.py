@@ -8,6 +8,7 @@ Also: a peer is up from the other side's probes, with RTT and its ACK figures.""
 from __future__ import annotations
 
 import trio
+from _listeners import FOREIGN_IPS, counting_listeners
 
 from prefixmesh.overlay.core import dialing
 from prefixmesh.overlay.core import membership as mb
@@ -15,24 +16,6 @@ from prefixmesh.overlay.core.identity import Identity
 from prefixmesh.overlay.heartbeat import FRESH_LOAD_S
 from prefixmesh.overlay.host import OverlayHost
 from prefixmesh.overlay.swim import Swim
-
-FOREIGN_IPS = [f"127.0.0.{i}" for i in range(2, 10)]
-
-
-async def _counting_listeners(nursery, counts: list[int]) -> int:
-    """TCP listeners on 127.0.0.2..9 (one port) that count and close every connection."""
-    first = await trio.open_tcp_listeners(0, host=FOREIGN_IPS[0])
-    port = first[0].socket.getsockname()[1]
-    listeners = list(first)
-    for ip in FOREIGN_IPS[1:]:
-        listeners += await trio.open_tcp_listeners(port, host=ip)
-
-    async def count(stream):
-        counts[0] += 1
-        await stream.aclose()
-
-    nursery.start_soon(trio.serve_listeners, count, listeners)
-    return port
 
 
 def _swim(host: OverlayHost, addrs: dict, **kwargs) -> Swim:
@@ -104,7 +87,7 @@ def test_a_stranger_that_never_answers_is_forgotten_after_a_few_dials():
     async def main():
         counts = [0]
         async with trio.open_nursery() as nursery:
-            port = await _counting_listeners(nursery, counts)
+            port = await counting_listeners(nursery, counts)
             host = OverlayHost(Identity.generate())
             async with host.run():
                 ghost = Identity.generate().peer_id
@@ -127,7 +110,7 @@ def test_a_flood_of_hint_peers_is_bounded_never_spread_and_honest_peers_get_in()
     async def main():
         counts = [0]
         async with trio.open_nursery() as nursery:
-            port = await _counting_listeners(nursery, counts)
+            port = await counting_listeners(nursery, counts)
             node, honest = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
             quiet = OverlayHost(Identity.generate())  # honest, learned only as a hint
             async with node.run(), honest.run(), quiet.run():
