@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-digest", action="store_true")
     p.add_argument("--no-dht", action="store_true")
     p.add_argument("--seed", type=int)
+    p.add_argument("--membership", choices=("heartbeat", "swim"), default="heartbeat",
+                   help="who is up: all-to-all heartbeat (the node's default) or SWIM")
     p.add_argument("--link-delay-ms", type=float, default=0.0,
                    help="benchmark-only delay of every frame sent (0-10,000 ms)")
     return p
@@ -84,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("BENCHMARK-ONLY LINK DELAY ACTIVE: %g ms per frame sent", a.link_delay_ms)
     options = daemon.NodeOptions(digest=not a.no_digest, dht=not a.no_dht, backend=a.backend,
                                  sim_prefill_tps=a.sim_prefill_tps,
-                                 sim_decode_tps=a.sim_decode_tps, seed=a.seed)
+                                 sim_decode_tps=a.sim_decode_tps, seed=a.seed,
+                                 membership=a.membership)
     with contextlib.suppress(KeyboardInterrupt):
         return daemon.run_node(config, options)
     return 130

@@ -103,9 +103,9 @@ class PeerHealth:
 class Liveness:
     """Who is up, as the rest of the node reads it (routing, forwarding, partition homes,
     status, metrics, the model catalog): a table of :class:`PeerHealth` and the queries
-    on it. Two implementations fill it: :class:`~.swim.Swim` (the default: SWIM probes,
-    O(1) messages per node per period) and :class:`Heartbeat` (all-to-all pings, kept
-    as the measured baseline and a fallback, ``NodeOptions.membership``)."""
+    on it. Two implementations fill it: :class:`Heartbeat` (all-to-all pings, the default)
+    and :class:`~.swim.Swim` (SWIM probes, O(1) messages per node per period; opt-in,
+    ``NodeOptions.membership``, not yet the default: docs/SCALING.md)."""
 
     def __init__(self, host: OverlayHost, *, on_change: Callable[[bytes, bool], None] | None):
         self.host = host

@@ -51,7 +51,8 @@ _EXTRA_KEYS = {
 }
 # ``extra`` items passed on to the entry point (harness switches, bench/node_entry.py)
 _ENTRY_FLAGS = {"--sim-prefill-tps": 1, "--sim-decode-tps": 1, "--seed": 1, "--backend": 1,
-                "--no-digest": 0, "--no-dht": 0, "--link-delay-ms": 1}
+                "--no-digest": 0, "--no-dht": 0, "--link-delay-ms": 1,
+                "--membership": 1}
 _PATH_KEYS = {("node", "key_file"), ("node", "cache_dir"), ("model", "path")}
 
 

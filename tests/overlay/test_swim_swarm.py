@@ -1,4 +1,4 @@
-"""SWIM membership (overlay/swim.py, the node's default) with real node processes on
+"""SWIM membership (overlay/swim.py, opt-in: ``--membership swim``) with real node processes on
 127.0.0.1 (real libp2p, simulated engine: the faults are in the overlay, not the model):
 
 - a third node learns a peer it was never told about (no digests, no DHT, no mDNS: only
@@ -20,7 +20,8 @@ from _swarm import Swarm, peers, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real node processes
 
-SIM = dict(backend="sim", digest=False)  # no digests: their records would carry addresses
+SIM = dict(backend="sim", digest=False,  # no digests: their records would carry addresses
+           extra=["--membership", "swim"])
 
 
 def _view(observer, peer_id):
