@@ -99,6 +99,18 @@ class PeerHealth:
     incarnation: int = 0
     figures_at: float | None = None  # monotonic: when queue_depth/active last arrived
 
+    def take_figures(self, f, now: float) -> None:
+        """What the peer says of itself on a PONG or an ACK (``f``: its queue_depth, active,
+        n_ctx, summary_hash, model, model_name); empty fields keep what we had."""
+        self.queue_depth, self.active = f.queue_depth, f.active
+        self.figures_at = now
+        if f.summary_hash:
+            self.summary_hash = f.summary_hash
+        if f.n_ctx:
+            self.n_ctx = f.n_ctx
+        if f.model:
+            self.model, self.model_name = f.model, f.model_name
+
 
 class Liveness:
     """Who is up, as the rest of the node reads it (routing, forwarding, partition homes,
@@ -393,14 +405,7 @@ class Heartbeat(Liveness):
         h.last_pong = time.monotonic()
         h.misses = 0
         h.pongs += 1
-        h.queue_depth, h.active = frame.queue_depth, frame.active
-        h.figures_at = h.last_pong
-        if frame.summary_hash:
-            h.summary_hash = frame.summary_hash
-        if frame.n_ctx:
-            h.n_ctx = frame.n_ctx
-        if frame.model:
-            h.model, h.model_name = frame.model, frame.model_name
+        h.take_figures(frame, h.last_pong)
         self._set(peer, True)
 
     async def handle(self, stream) -> None:

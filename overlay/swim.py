@@ -349,14 +349,7 @@ class Swim(Liveness):
                 h.acked_since = now
         info = ack.info
         if info is not None:
-            h.queue_depth, h.active = info.queue_depth, info.active
-            h.figures_at = now
-            if info.n_ctx:
-                h.n_ctx = info.n_ctx
-            if info.summary_hash:
-                h.summary_hash = info.summary_hash
-            if info.model:
-                h.model, h.model_name = info.model, info.model_name
+            h.take_figures(info, now)
 
     # --- state -----------------------------------------------------------------------
 
