@@ -152,13 +152,11 @@ class NodeOptions:
     backend: str = "llama"  # "llama" | "sim"
     sim_prefill_tps: float = 0.0
     sim_decode_tps: float = 0.0
-    # who is up: "heartbeat" (all-to-all pings, overlay/heartbeat.py; the default) or "swim"
-    # (overlay/swim.py, opt-in: ``node_entry --membership swim``). SWIM is not the default
-    # yet: in the fresh-clone suite it lost a relayed peer whose relay died (no direct
-    # probe fails, so it stays up and the forward fails), never used a peer that flaps
-    # every 1.5 s, and the partition next-hop test failed; docs/SCALING.md. The
-    # interval/timeout are the heartbeat's.
-    membership: str = "heartbeat"
+    # who is up: "swim" (overlay/swim.py, O(1) messages per node per period; the default)
+    # or "heartbeat" (all-to-all pings, overlay/heartbeat.py: the measured baseline,
+    # ``node_entry --membership heartbeat``); docs/SCALING.md. The interval/timeout are
+    # the heartbeat's.
+    membership: str = "swim"
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 1.5
     print_addrs: bool = True
@@ -341,7 +339,7 @@ class Node:
     # --- helpers ---------------------------------------------------------------------
 
     def _liveness(self) -> Liveness:
-        """The all-to-all heartbeat by default; SWIM with ``NodeOptions.membership``."""
+        """SWIM by default; the all-to-all heartbeat with ``NodeOptions.membership``."""
         # our context length on every ACK/PONG: entry nodes refuse a prompt no node fits;
         # our model on the first of each stream: the mesh's model catalog (issue 18)
         context_tokens = lambda: getattr(self.backend, "context_tokens", None)  # noqa: E731

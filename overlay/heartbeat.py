@@ -91,10 +91,8 @@ class PeerHealth:
     n_ctx: int = 0  # the peer's context length from its PONGs (0: not said)
     model: bytes = b""  # the model fingerprint it announced (b"": not said)
     model_name: str = ""
-    # SWIM (overlay/swim.py): heard from it directly since it was last dead or failed a
-    # forward; first and last ACK to our own PINGs in its current life (merit); the
-    # incarnation the mesh holds for it
-    contacted: bool = False
+    # SWIM (overlay/swim.py; "up" for us is core/links.py's): first and last ACK to our
+    # own PINGs in its current life (merit); the incarnation the mesh holds for it
     acked_since: float | None = None  # monotonic
     incarnation: int = 0
     figures_at: float | None = None  # monotonic: when queue_depth/active last arrived
@@ -115,9 +113,9 @@ class PeerHealth:
 class Liveness:
     """Who is up, as the rest of the node reads it (routing, forwarding, partition homes,
     status, metrics, the model catalog): a table of :class:`PeerHealth` and the queries
-    on it. Two implementations fill it: :class:`Heartbeat` (all-to-all pings, the default)
-    and :class:`~.swim.Swim` (SWIM probes, O(1) messages per node per period; opt-in,
-    ``NodeOptions.membership``, not yet the default: docs/SCALING.md)."""
+    on it. Two implementations fill it: :class:`~.swim.Swim` (SWIM probes, O(1) messages
+    per node per period; the default) and :class:`Heartbeat` (all-to-all pings, the
+    measured baseline: ``NodeOptions.membership = "heartbeat"``, docs/SCALING.md)."""
 
     def __init__(self, host: OverlayHost, *, on_change: Callable[[bytes, bool], None] | None):
         self.host = host

@@ -17,11 +17,20 @@ under a deadline; an idle stream is closed after :data:`IDLE_CLOSE_S`. Inbound: 
 (:class:`~.host.ResponderGate`), a per-peer message rate, :data:`~.core.membership.MAX_MESSAGE_BYTES`
 per frame; a frame that does not decode is logged and dropped, the node carries on.
 
-Up, for routing: a member is *up* when the state machine holds it ALIVE and we heard from
-it directly (any message on its own stream: the transport vouches for the sender) since it
-was last dead or failed a forward (:meth:`Swim.mark_down`). A SUSPECT is not up (routing
-stops choosing it, in-flight forwards to it are abandoned); a DEAD one is down. Gossip
-alone never makes a peer up: it makes it a member we then probe.
+Up, for routing (:class:`~.core.links.LinkView`): a member is *up* when the state machine
+holds it ALIVE and our own link to it is good: its latest answer to a direct PING of ours
+came after our latest failure with it. Failures: a forward that could not open a stream
+(:meth:`Swim.mark_down`, which also counts as a failed direct probe in the state machine:
+PING-REQs at once, SUSPECT by the end of the period unless someone reaches it), a probe of
+ours it answered only through others (no direct ACK within :data:`DIRECT_GRACE_S`), a
+message we could not send it, no connection left to it. A member that is not up for us is
+PINGed directly (re-dialled with its newest addresses, the ones it spread itself first)
+each period or with backoff, until it answers. Flap rule: a SUSPECT that answers such a
+PING is up again at once (and an ALIVE one when its refutation arrives), so a peer that
+freezes and thaws is used while it runs. A SUSPECT that has not answered us since it was
+suspected is not up (routing stops choosing it, in-flight forwards to it are abandoned);
+a DEAD one is down. Gossip alone never makes a peer up: it makes it a member we then
+PING.
 
 Figures per peer. RTT: EWMA of our own PINGs' ACK times. Load, context length, model and
 digest summary hash: on the ACKs a member sends about itself
@@ -60,6 +69,7 @@ from .core import membership as mb
 from .core.dialing import NEVER_UP_ATTEMPTS
 from .core.identity import peer_id_to_b58
 from .core.limits import PeerRateLimiter
+from .core.links import LinkView
 from .heartbeat import LONG_STANDING_S, MAX_PENDING_HINTS, Liveness, PeerHealth
 from .host import FramedStream, HostError, OverlayHost, ResponderGate
 
@@ -80,6 +90,10 @@ MESSAGE_RATE_PER_S, MESSAGE_BURST = 20.0, 40
 RTT_ALPHA = 0.3  # EWMA weight of a new ACK time
 VET_BACKOFF_MIN_S, VET_BACKOFF_MAX_S = 0.5, 10.0  # between dials of a stranger being checked
 _SENT_PINGS_MAX = 4096  # our PINGs awaiting an ACK, for RTT (pruned each period anyway)
+# a probe of ours that went indirect and got no direct ACK this long after its PING: our
+# link to the member is broken (a dead relay, a wedged connection) even if others reach
+# it; two periods leave a busy peer's late ACK time to arrive (the heartbeat gave 1.5 s)
+DIRECT_GRACE_S = 2 * mb.PROBE_INTERVAL_S
 
 
 class Swim(Liveness):
@@ -112,10 +126,15 @@ class Swim(Liveness):
         self.stats: dict[str, int] = dict.fromkeys(
             ("sent", "received", "bytes_out", "bytes_in", "dropped_outbox", "dropped_stale",
              "dropped_rate", "bad_messages", "send_failed", "dial_refused", "dial_failed",
-             "streams_refused_rate", "streams_refused_concurrency"), 0)
+             "streams_refused_rate", "streams_refused_concurrency", "link_checks",
+             "link_failures"), 0)
         self._nursery: trio.Nursery | None = None
         self._outboxes: dict[bytes, trio.MemorySendChannel] = {}
         self._sent_pings: dict[int, tuple[bytes, float]] = {}  # seq -> (to, sent at)
+        self.links = LinkView()  # our own link to each member: "up" for routing
+        # our probes that went indirect: seq -> (target, when a direct ACK is overdue)
+        self._awaiting_direct: dict[int, tuple[bytes, float]] = {}
+        self._reopen: set[bytes] = set()  # members whose outbound stream is to be replaced
         # claims about strangers: being checked (peer -> newest claim, gossip it on?), and
         # waiting for a checking slot, oldest first
         self._vetting: dict[bytes, tuple[mb.Update, bool]] = {}
@@ -173,6 +192,7 @@ class Swim(Liveness):
             now = self.clock()
             m.set_addrs(list(self.self_addrs()))
             self._dispatch(m.tick(now))
+            self._check_links(now)
             self._after_change()
             self._prune_sent_pings(now)
             wait = max(0.01, min(m.next_deadline(), now + mb.PROBE_INTERVAL_S) - self.clock())
@@ -310,7 +330,6 @@ class Swim(Liveness):
         message = self._filter_updates(message)
         sends = m.receive(sender, message, now)
         h = self.health.setdefault(sender, PeerHealth())
-        h.contacted = True
         if isinstance(message, mb.Ping):
             self.pings_answered += 1
         elif isinstance(message, mb.Ack) and message.target == sender:
@@ -340,6 +359,9 @@ class Swim(Liveness):
     def _on_direct_ack(self, peer: bytes, ack: mb.Ack, h: PeerHealth, now: float) -> None:
         sent = self._sent_pings.pop(ack.seq, None)
         if sent is not None and sent[0] == peer:
+            # an answer to our own PING on its own stream: our link to it works both ways
+            self._awaiting_direct.pop(ack.seq, None)
+            self.links.answered(peer)
             rtt = max(0.0, now - sent[1])
             h.rtt_s = rtt if h.rtt_s is None else (1 - RTT_ALPHA) * h.rtt_s + RTT_ALPHA * rtt
             h.pongs += 1
@@ -354,11 +376,45 @@ class Swim(Liveness):
     # --- state -----------------------------------------------------------------------
 
     def mark_down(self, peer: bytes) -> None:
-        """A forward to ``peer`` failed: not up until it is heard from again."""
-        h = self.health.get(peer)
-        if h is not None:
-            h.contacted = False
-        self._set(peer, False)
+        """A forward to ``peer`` could not open a stream: not up for us until it answers a
+        direct PING again (re-dialled at the next tick), and a failed direct probe for the
+        state machine (module docstring, *Up*)."""
+        self._link_failed(peer, "a forward failed")
+        m = self.membership
+        if m is not None:
+            self._dispatch(m.probe_failed(peer, self.clock()))
+
+    def _link_failed(self, peer: bytes, why: str) -> None:
+        """A direct contact of ours with ``peer`` failed: not up for us, its outbound
+        stream replaced, a direct check at once."""
+        if peer not in self.links:  # not a member (yet): nothing is up about it
+            if peer in self.health:
+                self._set(peer, False)
+            return
+        was_up = self.is_up(peer)
+        self.links.failed(peer, self.clock())
+        self._reopen.add(peer)
+        self.stats["link_failures"] += 1
+        if was_up:
+            self._set(peer, False, f" (our link failed: {why})")
+        self._wake.set()
+
+    def _check_links(self, now: float) -> None:
+        """Probes of ours that went indirect without a direct ACK in time, up peers we
+        lost every connection to: link failures. Then the direct PINGs that are due."""
+        for seq, (target, overdue_at) in list(self._awaiting_direct.items()):
+            if now >= overdue_at:
+                del self._awaiting_direct[seq]
+                self._link_failed(target, "answered only through others")
+        for peer in self.up_peers():
+            if not self.host.is_connected(peer):
+                self._link_failed(peer, "no connection left")
+        m = self.membership
+        for peer in self.links.due(now, m.state_of):
+            send = m.ping(peer)
+            if send is not None:
+                self.stats["link_checks"] += 1
+                self._dispatch([send])
 
     def _after_change(self) -> None:
         """Apply the state machine's events to the health table."""
@@ -370,20 +426,21 @@ class Swim(Liveness):
                 continue
             h = self.health.setdefault(peer, PeerHealth())
             h.incarnation = max(h.incarnation, ev.incarnation)
+            self.links.track(peer)
+            self.links.state_changed(peer, ev.state, self.clock())
             if ev.state == mb.DEAD:
-                h.contacted = False
                 h.acked_since = None
             elif ev.state == mb.ALIVE and ev.incarnation:
                 log.debug("member %s alive at incarnation %d", peer_id_to_b58(peer)[-8:],
                           ev.incarnation)
             self._refresh(peer)
-        # contact and refutations change "up" without an event of the machine's
+        # answers and link failures change "up" without an event of the machine's
         for peer, h in self.health.items():
             if h.up != self._should_be_up(peer, h):
                 self._refresh(peer)
 
     def _should_be_up(self, peer: bytes, h: PeerHealth) -> bool:
-        return h.contacted and self.membership.state_of(peer) == mb.ALIVE
+        return self.links.is_up(peer, self.membership.state_of(peer))
 
     def _refresh(self, peer: bytes) -> None:
         h = self.health.get(peer)
@@ -397,6 +454,8 @@ class Swim(Liveness):
 
     def _drop(self, peer: bytes) -> None:
         """The state machine forgot ``peer`` (dead long enough, or given up by us)."""
+        self.links.forget(peer)
+        self._reopen.discard(peer)
         h = self.health.pop(peer, None)
         if h is not None and h.up:
             h.up = False
@@ -420,6 +479,12 @@ class Swim(Liveness):
             if isinstance(s.message, mb.Ping):
                 if len(self._sent_pings) < _SENT_PINGS_MAX:
                     self._sent_pings[s.message.seq] = (s.to, now)
+            elif isinstance(s.message, mb.PingReq):
+                # our direct PING of the target went unanswered so far (module docstring)
+                sent = self._sent_pings.get(s.message.seq)
+                if sent is not None and s.message.seq not in self._awaiting_direct:
+                    self._awaiting_direct[s.message.seq] = (s.message.target,
+                                                            sent[1] + DIRECT_GRACE_S)
             box = self._outboxes.get(s.to)
             if box is None:
                 if self._nursery is None:
@@ -435,7 +500,7 @@ class Swim(Liveness):
     def _prune_sent_pings(self, now: float) -> None:
         horizon = now - 2 * mb.PROBE_INTERVAL_S
         for seq, (_, t) in list(self._sent_pings.items()):
-            if t < horizon:
+            if t < horizon and seq not in self._awaiting_direct:
                 del self._sent_pings[seq]
 
     def _own_info(self, stream_state: dict) -> mb.AckInfo:
@@ -466,6 +531,12 @@ class Swim(Liveness):
                 if self.clock() - queued_at > mb.PROBE_INTERVAL_S:
                     self.stats["dropped_stale"] += 1  # its probe is over
                     continue
+                if peer in self._reopen:  # our link failed: a new stream (and dial if need be)
+                    self._reopen.discard(peer)
+                    if fs is not None:
+                        with trio.CancelScope(shield=True):
+                            await fs.reset()
+                        fs = None
                 try:
                     if fs is None:
                         fs = await self._open(peer)
@@ -485,6 +556,8 @@ class Swim(Liveness):
                         with trio.CancelScope(shield=True):
                             await fs.reset()
                     fs = None
+                    self._link_failed(peer, f"send failed: {exc}"[:80])
+                    self._reopen.discard(peer)  # just replaced
         finally:
             if self._outboxes.get(peer) is box:
                 del self._outboxes[peer]
@@ -511,13 +584,17 @@ class Swim(Liveness):
         (the message is dropped: SWIM takes it as lost) when the gate refuses or the dial
         fails."""
         if not self.host.is_connected(peer):
-            addrs = list(self.addrs_of(peer)) or list(self.membership.addrs_of(peer))
+            # the addresses the member spread itself (newest incarnation: a new relay
+            # circuit, a port mapping) first, then the directory's hints
+            addrs = list(dict.fromkeys([*self.membership.addrs_of(peer), *self.addrs_of(peer)]))
             now = time.monotonic()
             ticket = self.gate.admit(addrs, now) if addrs and self._outbound_room() else None
             if ticket is None:
                 self.stats["dial_refused"] += 1
                 return None
             if not await self._dial(peer, ticket):
+                self._link_failed(peer, "dial failed")
+                self._reopen.discard(peer)
                 return None
         stream = await self.host.open_stream(peer, SWIM_PROTOCOL, DIAL_TIMEOUT_S)
         return FramedStream(stream, timeout_s=WRITE_TIMEOUT_S)

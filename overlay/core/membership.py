@@ -18,6 +18,12 @@ probes one member per period and spreads what it learns on the probe messages th
   piggybacked claims (what is news to the receiver it spreads on), so a newcomer knows
   much of the mesh after one exchange (cold start of 256 nodes: 74 % of the full view at
   10 s instead of 31 %, docs/SCALING.md).
+* **Out-of-round probes.** The shell may probe a member outside the round: a direct
+  :meth:`Membership.ping` (its link check: the ACK proves *our* link works, the machine
+  ignores it), and :meth:`Membership.probe_failed` when a direct contact of its own failed
+  (a forward could not open a stream): the probe's direct part counts as failed, PING-REQs
+  go out at once, and no ACK by the end of the period makes the member *suspect*, so the
+  mesh learns of a lost peer from the first node that tried it, not a round later.
 * **Dissemination.** State changes are queued and piggybacked on PING/PING-REQ/ACK, at most
   ``MAX_PIGGYBACK`` per message, fewest-sent first and newest first among those, each ``RETRANSMIT_MULT * ceil(log10(N+1))``
   times: O(log N) periods to reach everyone, no extra messages.
@@ -221,6 +227,7 @@ class Membership:
         self._bucket_of: dict[bytes, int] = {}
         self._order: list[bytes] = []  # this round's probe order
         self._probe: _Probe | None = None
+        self._checks: dict[bytes, _Probe] = {}  # out-of-round probes (probe_failed), by target
         self._next_probe_at = now
         self._seq = 0
         self._relays: dict[int, tuple[bytes, int, float]] = {}  # our seq -> (asker, seq, t)
@@ -262,6 +269,8 @@ class Membership:
         if self._suspects:
             timeout = suspicion_timeout_s(len(self._members) + 1)
             times.append(min(self._suspects.values()) + timeout)
+        if self._checks:
+            times.append(min(c.started for c in self._checks.values()) + PROBE_INTERVAL_S)
         return min(times)
 
     # --- inputs -------------------------------------------------------------------------
@@ -295,6 +304,31 @@ class Membership:
             if p is not None and p.target == peer:
                 self._probe = None
 
+    def ping(self, peer: bytes) -> Send | None:
+        """A direct PING to ``peer`` outside the round (the shell's check of its own link
+        to the member: the ACK answers it, the machine takes no decision on it); None when
+        ``peer`` is not a live member."""
+        m = self._members.get(peer)
+        if m is None or m.update.state == DEAD:
+            return None
+        self._seq += 1
+        return self._send(peer, Ping(self._seq, self.incarnation, self._piggyback()))
+
+    def probe_failed(self, peer: bytes, now: float) -> list[Send]:
+        """A direct contact of ours with ``peer`` failed outside the protocol (a forward
+        could not open a stream): probe it now as if our direct PING had gone unanswered,
+        through :data:`INDIRECT_PROBES` others (and directly again: the shell re-dials);
+        no ACK, nor any message from ``peer``, by the end of the period makes it SUSPECT.
+        At most one such probe per member at a time."""
+        m = self._members.get(peer)
+        if m is None or m.update.state == DEAD or peer in self._checks:
+            return []
+        self._seq += 1
+        check = _Probe(peer, self._seq, now)
+        self._checks[peer] = check
+        direct = self._send(peer, Ping(check.seq, self.incarnation, self._piggyback()))
+        return [direct, *self._indirect_probes(check)]
+
     def learn(self, update: Update, now: float, *, gossip: bool = True) -> None:
         """Apply one claim the shell held back from :meth:`receive` until it had checked
         the member (dialled it): as if it had arrived on a message now."""
@@ -311,6 +345,7 @@ class Membership:
         out: list[Send] = []
         self._expire_suspects(now)
         self._forget_dead(now)
+        self._end_checks(now)
         p = self._probe
         if (p is not None and not p.acked and not p.indirect_sent
                 and now >= p.started + PROBE_TIMEOUT_S):
@@ -327,6 +362,9 @@ class Membership:
             return []
         known = self._members.get(sender)
         stranger = known is None or known.update.state == DEAD
+        check = self._checks.get(sender)
+        if check is not None:
+            check.acked = True  # it speaks to us: our failed contact was not its death
         for u in message.updates:
             self._apply(u, now)
         self._note_sender(sender, message.incarnation, now)
@@ -401,8 +439,16 @@ class Membership:
         return [self._send(h, PingReq(p.seq, self.incarnation, p.target, self._piggyback()))
                 for h in sorted(chosen)]
 
+    def _end_checks(self, now: float) -> None:
+        for peer, check in list(self._checks.items()):
+            if now >= check.started + PROBE_INTERVAL_S:
+                del self._checks[peer]
+                self._suspect_unless_acked(check, now)
+
     def _end_probe(self, now: float) -> None:
-        p = self._probe
+        self._suspect_unless_acked(self._probe, now)
+
+    def _suspect_unless_acked(self, p: _Probe | None, now: float) -> None:
         if p is None or p.acked:
             return
         m = self._members.get(p.target)
@@ -419,6 +465,9 @@ class Membership:
         p = self._probe
         if p is not None and ack.seq == p.seq and ack.target == p.target:
             p.acked = True
+        check = self._checks.get(ack.target)
+        if check is not None and ack.seq == check.seq:
+            check.acked = True
         return []
 
     # --- state --------------------------------------------------------------------------
@@ -465,6 +514,7 @@ class Membership:
     def _remove(self, peer: bytes) -> None:
         del self._members[peer]
         self._suspects.pop(peer, None)
+        self._checks.pop(peer, None)
         i = self._index.pop(peer)
         last = self._ids.pop()
         if last != peer:  # swap-remove keeps random choice O(1)

@@ -285,3 +285,85 @@ def test_traffic_per_node_does_not_grow_with_n():
     big = run(Config(nodes=256, seconds=45, seed=2))
     assert big.messages_per_node_s < 1.5 * small.messages_per_node_s
     assert big.bytes_per_node_s < 1024
+
+
+# --- out-of-round probes (the shell's link checks and failed forwards) ----------------
+
+
+def _mesh_of(me: bytes, others, now: float = 0.0) -> Membership:
+    m = Membership(me, now=now, incarnation=1, rng=random.Random(7))
+    for p in others:
+        m.join(p, now)
+    return m
+
+
+def test_ping_is_a_direct_ping_the_machine_takes_no_decision_on():
+    a = _mesh_of(b"a", [b"t", b"h"])
+    send = a.ping(b"t")
+    assert send.to == b"t" and isinstance(send.message, Ping)
+    assert a.ping(b"stranger") is None
+    a.receive(b"t", Ack(send.message.seq, 1, b"t"), 0.1)
+    a.tick(5.0)  # nothing pending about it
+    assert a.state_of(b"t") in (ALIVE, SUSPECT)  # the round's own probe decides
+
+
+def test_a_failed_forward_probes_indirectly_and_suspects_only_without_an_answer():
+    a = _mesh_of(b"a", [b"t", b"h1", b"h2", b"h3"])
+    a.drain_events()
+    sends = a.probe_failed(b"t", 0.0)
+    direct = [s for s in sends if isinstance(s.message, Ping)]
+    reqs = [s for s in sends if isinstance(s.message, PingReq)]
+    assert [s.to for s in direct] == [b"t"]
+    assert {s.to for s in reqs} == {b"h1", b"h2", b"h3"}
+    assert all(s.message.target == b"t" and s.message.seq == direct[0].message.seq
+               for s in reqs)
+    assert a.probe_failed(b"t", 0.1) == []  # one at a time
+    assert a.next_deadline() <= mb.PROBE_INTERVAL_S
+    # a relayed ACK clears it: reached by others, t stays alive
+    a.receive(b"h1", Ack(reqs[0].message.seq, 1, b"t"), 0.3)
+    _tick_without_round(a, mb.PROBE_INTERVAL_S + 0.01)
+    assert a.state_of(b"t") == ALIVE
+    # unanswered: suspect at the end of the period
+    b = _mesh_of(b"b", [b"t", b"h1"])
+    b.probe_failed(b"t", 0.0)
+    _tick_without_round(b, mb.PROBE_INTERVAL_S + 0.01)
+    assert b.state_of(b"t") == SUSPECT
+    # any message from the member itself also clears it
+    c = _mesh_of(b"c", [b"t", b"h1"])
+    c.probe_failed(b"t", 0.0)
+    c.receive(b"t", Ping(99, 1), 0.2)
+    _tick_without_round(c, mb.PROBE_INTERVAL_S + 0.01)
+    assert c.state_of(b"t") == ALIVE
+
+
+def _tick_without_round(m: Membership, now: float) -> None:
+    """Run ``tick`` at ``now`` with the round's own probe answered, so only the
+    out-of-round probes decide."""
+    for s in m.tick(now):
+        if isinstance(s.message, Ping) and s.to != b"t":
+            m.receive(s.to, Ack(s.message.seq, 1, s.to), now)
+    m._probe = None  # the round's probe of t (if any) is not what is under test
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"t", b"u", b"h"]),
+                          st.sampled_from(["fail", "ack", "msg", "tick"])), max_size=30))
+def test_out_of_round_probes_stay_bounded_and_never_touch_strangers(ops):
+    a = _mesh_of(b"a", [b"t", b"u", b"h"])
+    now = 0.0
+    for peer, op in ops:
+        now += 0.3
+        if op == "fail":
+            sends = a.probe_failed(peer, now)
+            assert all(s.to in (b"t", b"u", b"h") and s.to != b"a" for s in sends)
+        elif op == "ack":
+            a.receive(peer, Ack(0, 1, peer), now)
+        elif op == "msg":
+            a.receive(peer, Ping(1, 1), now)
+        else:
+            a.tick(now)
+        assert len(a._checks) <= 3
+        assert a.next_deadline() >= 0
+    assert a.probe_failed(b"stranger", now) == []
+    a.tick(now + 10 * mb.PROBE_INTERVAL_S)
+    assert not a._checks
