@@ -21,10 +21,15 @@ peers too).
 
 Budget: each side sends at most ``byte_budget`` bytes of records per exchange.
 
-Choosing peers: heartbeat PONGs carry each peer's summary hash when it changes
-(``peer_hash``); a round contacts only up to ``fanout`` peers whose hash differs from
-ours, plus one random peer every ``backstop_rounds`` rounds (a stale or lost report cannot
-stall convergence for long). In steady state almost no exchange runs at all.
+Choosing peers: heartbeat PONGs and SWIM ACKs carry each peer's summary hash when it
+changes (``peer_hash``); a round contacts only up to ``fanout`` peers whose hash differs
+from ours, plus one random peer every ``backstop_rounds`` rounds (a stale or lost report
+cannot stall convergence for long). A peer found in sync by an exchange (either side's
+summary-hash check) counts as in sync too until our own summary changes
+(``_synced``): SWIM reports a peer's hash only on the ACKs to our own probes, once per
+N periods, so without this a node whose summary changed kept re-checking peers that had
+long caught up (about 3 exchanges per second per node at N=32, each costing a libp2p
+stream, ~0.7 KB). In steady state almost no exchange runs at all.
 
 Steady state: before the 3 messages the initiator sends a 16-byte hash of its summary
 (``[0, hash]``); the responder answers ``[0, true]`` when its own summary hashes the same
@@ -120,6 +125,10 @@ def _decode_hash_message(data: bytes) -> bytes | bool | None:
 
 log = logging.getLogger(__name__)
 
+#: peers remembered as in sync with our current summary (each one authenticated and
+#: through the exchange limits; the set empties whenever our summary changes)
+_MAX_SYNCED_PEERS = 4096
+
 
 class Gossip:
     """Full replication's digest exchange (a :class:`~.digestexchange.DigestExchange`)."""
@@ -169,6 +178,8 @@ class Gossip:
         # both answers; turn this on once every node runs code that does.
         self.bucket_summaries = s.bucket_summaries
         self.own_hash = b""
+        # peers an exchange found holding our current summary; cleared when it changes
+        self._synced: set[bytes] = set()
         self.rounds = 0
         self.stats: Counter[str] = Counter()
         self._want_snapshots: set[bytes] = set()
@@ -214,7 +225,15 @@ class Gossip:
         self._rehash()
 
     def _rehash(self) -> None:
-        self.own_hash = self.ae.summary_digest()  # cached until the summary changes
+        own = self.ae.summary_digest()  # cached until the summary changes
+        if own != self.own_hash:
+            self._synced.clear()
+        self.own_hash = own
+
+    def _note_synced(self, peer: bytes, digest: bytes) -> None:
+        """``peer`` holds the summary whose hash is ``digest`` (an exchange said so)."""
+        if digest == self.own_hash and len(self._synced) < _MAX_SYNCED_PEERS:
+            self._synced.add(peer)
 
     # --- the DigestExchange interface (overlay/digestexchange.py) ----------------------
 
@@ -230,7 +249,8 @@ class Gossip:
         self.tick()
         candidates = [p for p in self.peers() if p != self.host.peer_id]
         if self.peer_hash is not None:
-            behind = [p for p in candidates if self.peer_hash(p) != self.own_hash]
+            behind = [p for p in candidates
+                      if p not in self._synced and self.peer_hash(p) != self.own_hash]
             chosen = self.rng.sample(behind, min(self.fanout, len(behind)))
             rest = [p for p in candidates if p not in chosen]
             if rest and self.fanout and self.rounds % self.backstop_rounds == 0:
@@ -257,11 +277,13 @@ class Gossip:
         try:
             scope = None
             if self.summary_hash_check:
-                await self._send(fs, encode_summary_hash(self.ae.summary_digest()))
+                sent_digest = self.ae.summary_digest()
+                await self._send(fs, encode_summary_hash(sent_digest))
                 answer = await self._receive(fs)
                 verdict = _decode_hash_message(answer)
                 if verdict is True:
                     self.stats["exchanges_in_sync"] += 1
+                    self._note_synced(peer, sent_digest)
                     return
                 if verdict is None and peek_message_type(answer) == MSG_BUCKETS:
                     theirs = decode_buckets(answer)  # bounded, validated
@@ -301,6 +323,8 @@ class Gossip:
                 theirs = _decode_hash_message(first)
                 if isinstance(theirs, bytes):  # summary-hash check first
                     same = theirs == self.ae.summary_digest()
+                    if same:
+                        self._note_synced(peer, theirs)
                     if same or not self.bucket_summaries:
                         await self._send(fs, encode_summary_hash(same))
                     else:
