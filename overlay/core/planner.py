@@ -43,6 +43,7 @@ Pure code: no IO, no clock (``now`` is passed in), randomness only inside the po
 from __future__ import annotations
 
 import bisect
+import operator
 import random
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ DEFAULT_RTT_S = 0.005  # a peer whose RTT was never measured: a LAN hop
 RELAY_EXTRA_RTT_S = 0.02
 # Policies that never read cached matches: a lookup would only delay their requests.
 CACHE_BLIND_POLICIES = frozenset({"local", "round-robin", "random", "consistent-hash"})
+_POOLS_KEPT = 4  # pools a FrozenPeers keeps (N pointers each): itself + a few hops
 MAX_CARRIED_HOLDERS = 256  # == wire.MAX_CARRIED_HOLDERS (the codec enforces it)
 
 
@@ -240,7 +242,7 @@ class FrozenPeers(dict):
     the same as with a plain mapping of the same links (a plain ``dict`` is what the node
     passes). A ``dict`` (C-speed reads) whose mutators raise ``TypeError``."""
 
-    __slots__ = ("ids", "sorted_ids", "loaded", "limited")
+    __slots__ = ("ids", "sorted_ids", "loaded", "limited", "terms", "_pools")
 
     def __init__(self, links: Mapping[bytes, PeerLink]) -> None:
         super().__init__(links)
@@ -249,12 +251,30 @@ class FrozenPeers(dict):
         self.loaded = frozenset(p for p, link in self.items() if link.load is not None)
         self.limited = tuple((p, link.context_tokens) for p, link in self.items()
                              if link.context_tokens is not None)
+        # what _priced reads of each link: its PONG load and link_cost_s, computed once
+        self.terms = {p: (link.load, link_cost_s(link)) for p, link in self.items()}
+        # _sorted_pool's answers by left-out set: a router sees few distinct ones (itself,
+        # plus the previous hop of a forwarded request); bounded, oldest dropped
+        self._pools: dict[frozenset[bytes], tuple[bytes, ...]] = {}
 
     def _immutable(self, *args, **kwargs):
         raise TypeError("FrozenPeers is immutable")
 
     __setitem__ = __delitem__ = __ior__ = _immutable
     update = pop = popitem = clear = setdefault = _immutable
+
+
+class _LinkTerms:
+    """``FrozenPeers.terms`` for a plain mapping of links, computed per read."""
+
+    __slots__ = ("links",)
+
+    def __init__(self, links: Mapping[bytes, PeerLink]) -> None:
+        self.links = links
+
+    def __getitem__(self, peer: bytes) -> tuple[float | None, float]:
+        link = self.links[peer]
+        return link.load, link_cost_s(link)
 
 
 class _AllBut:
@@ -358,10 +378,16 @@ _SOURCE_COUNTERS = {
 }
 
 
+_blocks_of_item = operator.itemgetter(1)
+
+
 def carry_list(known: Mapping[bytes, int]) -> tuple[tuple[bytes, int], ...]:
     """A holder list as it rides on a forwarded request: longest matches first, within the
     wire limit, zero matches dropped."""
-    ranked = sorted(known.items(), key=lambda kv: (-kv[1], kv[0]))
+    # by (-blocks, peer): by peer, then a stable sort by blocks, longest first (C-speed
+    # compares instead of a key tuple per holder)
+    ranked = sorted(known.items())
+    ranked.sort(key=_blocks_of_item, reverse=True)
     return tuple((p, b) for p, b in ranked[:MAX_CARRIED_HOLDERS] if b > 0)
 
 
@@ -370,13 +396,20 @@ def _sorted_pool(peers: Mapping[bytes, PeerLink],
     """``tuple(sorted(eligible))``; from a :class:`FrozenPeers`' sorted ids when only a
     few peers are left out (``eligible`` is a subset of ``peers``)."""
     if isinstance(peers, FrozenPeers) and len(peers) - len(eligible) <= 16:
-        ids = peers.sorted_ids
-        out = list(ids)
         left_out = (eligible.excluded if isinstance(eligible, _AllBut)
                     else peers.ids.difference(eligible))  # fmt: skip
-        for p in sorted(left_out, reverse=True):
-            del out[bisect.bisect_left(ids, p)]
-        return tuple(out)
+        pools = peers._pools
+        pool = pools.pop(left_out, None)  # re-inserted below: least recently used first
+        if pool is None:
+            ids = peers.sorted_ids
+            out = list(ids)
+            for p in sorted(left_out, reverse=True):
+                del out[bisect.bisect_left(ids, p)]
+            pool = tuple(out)
+            if len(pools) >= _POOLS_KEPT:
+                del pools[next(iter(pools))]
+        pools[left_out] = pool
+        return pool
     return tuple(sorted(eligible))
 
 
@@ -459,29 +492,36 @@ class Planner:
         return {p for p, link in inp.peers.items() if p != me and p not in visited
                 and vouches(p) and fits_context(inp.prompt_tokens, link.context_tokens)}
 
-    def _priced(self, inp: PlanInput, peers: Iterable[tuple[bytes, int]]) -> list[Candidate]:
-        """A candidate for each (peer, matched blocks) that can be priced: its load from a
-        PONG, else its digest's (queued + running); a peer with neither is left out.
+    def _priced(self, inp: PlanInput, peers: Iterable[bytes],
+                matches: Mapping[bytes, int]) -> list[Candidate]:
+        """A candidate for each peer (its blocks in ``matches``, else 0) that can be priced:
+        its load from a PONG, else its digest's (queued + running); a peer with neither is
+        left out.
         (Runs for every holder of every request: locals bound, one loop.)"""
-        links, trust, load_of = inp.peers, inp.trust.get, self.view.load_of
+        links = inp.peers
+        terms = links.terms if type(links) is FrozenPeers else _LinkTerms(links)
+        load_of = self.view.load_of
+        # no trust figures at all (a plain empty dict): every peer's trust is 1.0
+        trust = None if type(inp.trust) is dict and not inp.trust else inp.trust.get
         prompt_tokens, avg_request_s = inp.prompt_tokens, inp.avg_request_s
         out: list[Candidate] = []
-        for peer, blocks in peers:
-            link = links[peer]
+        append = out.append
+        blocks_of = matches.get
+        for peer in peers:
+            load, rtt = terms[peer]
             figures = load_of(peer)
-            load = link.load
             if load is None:
                 if figures is None:
                     continue  # nothing to price it with
                 load = float(figures.queue_depth + figures.active)
-            out.append(make_candidate(
+            append(make_candidate(
                 peer,
-                min(blocks * BLOCK_TOKENS, prompt_tokens),
+                min(blocks_of(peer, 0) * BLOCK_TOKENS, prompt_tokens),
                 max(figures.prefill_tps, 0.0) if figures is not None else 0.0,
                 load * avg_request_s,
                 load,
-                link_cost_s(link),
-                min(1.0, max(0.0, trust(peer, 1.0))),
+                rtt,
+                1.0 if trust is None else min(1.0, max(0.0, trust(peer, 1.0))),
             ))  # fmt: skip
         return out
 
@@ -491,13 +531,13 @@ class Planner:
             holders = eligible.ids.intersection(matches).difference(eligible.excluded)
         else:
             holders = (p for p in matches if p in eligible)
-        out = self._priced(inp, ((p, matches[p]) for p in sorted(holders)))
+        out = self._priced(inp, sorted(holders), matches)
         # a few unmatched peers, drawn at random, let the policy shed load (the power of
         # two choices: the cost model picks the lighter; "least loaded first" herds every
         # router onto the same peers while load figures are seconds old)
         pool = self._shed_pool(inp, matches, eligible)
         drawn = self.rng.sample(pool, min(MAX_SHED_CANDIDATES, len(pool)))
-        shed = self._priced(inp, ((p, 0) for p in drawn))
+        shed = self._priced(inp, drawn, matches)  # unmatched: 0 blocks each
         assert len(shed) == len(drawn)  # the pool holds priced peers only
         out += shed
         if inp.subnets is not None and out:

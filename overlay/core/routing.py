@@ -293,6 +293,10 @@ def make_candidate(peer: bytes, matched_tokens: int, prefill_tps: float, queue_w
     return Candidate(peer, matched_tokens, prefill_tps, queue_wait_s, load, rtt_s, trust)
 
 
+def _is_plus_zero(value: object) -> bool:
+    return type(value) is float and value == 0.0 and math.copysign(1.0, value) == 1.0
+
+
 def _with_recent_placed(c: Candidate, value: float) -> Candidate:
     """``replace(c, recent_placed=value)`` without re-validating the fields ``c`` already
     passed (the simulator builds millions of these; only the new value is checked)."""
@@ -702,10 +706,14 @@ class RouterMemory:
             if forwarded_in:
                 self.placements.record_inbound(now)
             recent = self.placements.recent
-            candidates = tuple(
-                c if c.recent_placed else _with_recent_placed(c, recent(c.peer, now))
+            # a peer never placed at has recent() == +0.0, which _with_recent_placed
+            # answers with c itself when c already holds +0.0: skip both calls then
+            placed_at = self.placements._counts
+            candidates = tuple([
+                c if c.recent_placed or (c.peer not in placed_at and _is_plus_zero(c.recent_placed))
+                else _with_recent_placed(c, recent(c.peer, now))
                 for c in candidates
-            )
+            ])  # fmt: skip
             key = rent_key(chain, candidates, self.block_tokens)
             ledger = {
                 "rent_paid_s": self.rent.paid(key, now),
