@@ -32,6 +32,7 @@ import resource
 import signal
 import socket
 import struct
+import subprocess
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -299,24 +300,28 @@ class ForkServer:
              hard != resource.RLIM_INFINITY and hard <= self.nofile_hard)
 
     def spawn(self, program: str, argv: list[str], args: list[str], env: dict[str, str],
-              stderr_fd: int) -> ForkedProc:
+              stderr_fd: int, stdin_fd: int | None = None,
+              cwd: str | None = None) -> ForkedProc:
         read_fd, write_fd = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(30.0)
             conn.connect(self.sock_path)
             body = json.dumps({"program": program, "argv": argv, "env": env,
-                               "cwd": os.getcwd(), "umask": _umask(),
+                               "cwd": os.path.abspath(cwd or os.getcwd()), "umask": _umask(),
                                "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)}).encode()
             message = struct.pack("!I", len(body)) + body
-            # fd 0 itself (under pytest sys.stdin is a stand-in without a file descriptor)
-            stdin_fd = 0 if _fd_open(0) else os.open(os.devnull, os.O_RDONLY)
+            # the caller's stdin, else fd 0 itself (under pytest sys.stdin is a stand-in
+            # without a file descriptor)
+            own_stdin = stdin_fd is None and not _fd_open(0)
+            if stdin_fd is None:
+                stdin_fd = os.open(os.devnull, os.O_RDONLY) if own_stdin else 0
             fds = [stdin_fd, write_fd, stderr_fd]
             try:
                 conn.sendmsg([message[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                                   struct.pack(f"{_FDS}i", *fds))])
             finally:
-                if stdin_fd != 0:
+                if own_stdin:
                     os.close(stdin_fd)
             if len(message) > 65536:
                 conn.sendall(message[65536:])
@@ -384,7 +389,8 @@ def program_for(args: list[str]) -> tuple[str, list[str]] | None:
 
 
 def spawn(args: list[str], env: dict[str, str], stderr_fd: int,
-          server_env: dict[str, str]) -> ForkedProc | None:
+          server_env: dict[str, str], stdin_fd: int | None = None,
+          cwd: str | None = None) -> ForkedProc | None:
     """Start ``args`` with environment ``env`` and stderr ``stderr_fd`` through the
     session's fork server (started with ``server_env`` the first time: the environment
     common to all nodes); None when it cannot (another command line, other start-up
@@ -406,12 +412,66 @@ def spawn(args: list[str], env: dict[str, str], stderr_fd: int,
     if not _server.fits(env):
         return None
     try:
-        return _server.spawn(program[0], program[1], list(args), env, stderr_fd)
+        return _server.spawn(program[0], program[1], list(args), env, stderr_fd, stdin_fd, cwd)
     except (OSError, RuntimeError) as exc:  # this start goes without; a dead server for good
         _server_failed = _server.proc.poll() is not None
         print(f"tests/_forkserver: not used ({exc}); log: {_server._log_tail()}",
               file=sys.stderr)
         return None
+
+
+# what tests/_swarm.py gives every node (and so the server): unbuffered output, one OpenMP
+# thread; a command run through :func:`run` gets the same start-up variables
+NODE_STARTUP_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(args: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None,
+        cwd=None, stdin_devnull: bool = False) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args, capture_output=True, text=True, ...)`` for a ``prefixmesh``
+    command line, forked from the session's server where it can be (a CLI process spends
+    ~1-2 s of CPU in imports; forked, none), else run by ``subprocess.run``. ``env``: the
+    whole environment, as ``subprocess.run`` takes it (default: ours); the start-up
+    variables of :data:`NODE_STARTUP_ENV` are added where it does not set them (output is
+    captured through pipes either way; the CLI's answers do not depend on either).
+    ``stdin_devnull``: stdin is /dev/null (else the caller's fd 0)."""
+    import threading
+
+    env = {**NODE_STARTUP_ENV, **(os.environ if env is None else env)}
+    stdin = subprocess.DEVNULL if stdin_devnull else None
+    err_r, err_w = os.pipe()
+    null_fd = os.open(os.devnull, os.O_RDONLY) if stdin_devnull else None
+    try:
+        proc = spawn(args, env, err_w, dict(os.environ, **NODE_STARTUP_ENV), null_fd,
+                     None if cwd is None else str(cwd))
+    finally:
+        os.close(err_w)
+        if null_fd is not None:
+            os.close(null_fd)
+    if proc is None:
+        os.close(err_r)
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=cwd, stdin=stdin)
+    captured: dict[str, str] = {}
+
+    def drain(name: str, stream) -> None:
+        with stream:
+            captured[name] = stream.read()
+
+    readers = [threading.Thread(target=drain, args=("stdout", proc.stdout), daemon=True),
+               threading.Thread(target=drain, args=("stderr", open(err_r)), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        for reader in readers:
+            reader.join(10)
+    return subprocess.CompletedProcess(args, rc, captured.get("stdout", ""),
+                                       captured.get("stderr", ""))
 
 
 if __name__ == "__main__":

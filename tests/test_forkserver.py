@@ -93,3 +93,19 @@ def test_forked_node_takes_the_callers_open_files_limit(tmp_path):
             assert line.split()[3] == str(wanted), line
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_run_captures_like_subprocess_run_in_the_callers_folder(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node]\nlisten = 7\n")
+    script = os.path.join(os.path.dirname(sys.executable), "prefixmesh")
+    forked = _forkserver.run([script, "node", "--config", "bad.toml"], cwd=tmp_path,
+                             timeout=60, stdin_devnull=True)
+    fresh = subprocess.run([script, "node", "--config", "bad.toml"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60,
+                           stdin=subprocess.DEVNULL)
+    assert (forked.returncode, forked.stdout, forked.stderr) == \
+        (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode != 0 and "listen" in fresh.stderr
+    version = _forkserver.run([sys.executable, "-m", "prefixmesh", "--version"], timeout=60)
+    assert version.returncode == 0 and version.stdout.strip()

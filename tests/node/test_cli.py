@@ -9,6 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import _forkserver
 import pytest
 
 from prefixmesh.cli import CliError, _component, main
@@ -21,8 +22,8 @@ SUBCOMMANDS = [["keygen"], ["node"], ["chat"], ["ask"], ["peers"], ["demo"], ["m
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prefixmesh", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=60)
+    # forked from the pre-imported fork server where it can be (saves ~1.5 s of imports)
+    return _forkserver.run([sys.executable, "-m", "prefixmesh", *args], cwd=cwd, timeout=60)
 
 
 # --- help and usage errors --------------------------------------------------------------

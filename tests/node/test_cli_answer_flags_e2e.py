@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _forkserver
 import pytest
 from _swarm import Swarm  # noqa: E402
 
@@ -19,8 +20,8 @@ ASK_BOUND_S = 120.0  # detects a hang only
 
 
 def _ask(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, "ask", *args], capture_output=True, text=True,
-                          timeout=ASK_BOUND_S, stdin=subprocess.DEVNULL)
+    # forked from the pre-imported fork server where it can be (saves ~1.5 s of imports)
+    return _forkserver.run([*CLI, "ask", *args], timeout=ASK_BOUND_S, stdin_devnull=True)
 
 
 def test_max_tokens_and_timeout(tmp_path):

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import _forkserver
 import pytest
 from _pty import Terminal  # noqa: E402
 
@@ -57,8 +58,8 @@ def node_addr(tmp_path_factory):
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "prefixmesh", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    # forked from the pre-imported fork server where it can be (saves ~1.5 s of imports)
+    return _forkserver.run([PYTHON, "-m", "prefixmesh", *args], timeout=timeout)
 
 
 def test_ask_json(node_addr):

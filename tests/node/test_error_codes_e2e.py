@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import _forkserver
 import httpx
 import pytest
 from _gateway import TEAM_SECRET, _free_port
@@ -20,8 +21,8 @@ KEY = "gateway-key-for-the-error-test"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "prefixmesh", *args], capture_output=True,
-                          text=True, timeout=120)
+    # forked from the pre-imported fork server where it can be (saves ~1.5 s of imports)
+    return _forkserver.run([sys.executable, "-m", "prefixmesh", *args], timeout=120)
 
 
 @pytest.fixture(scope="module")

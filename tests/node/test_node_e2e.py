@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import _forkserver
 import pytest
 import trio
 from _model_fixture import TEST_THREADS, default_model_path  # noqa: E402
@@ -60,8 +61,8 @@ T2_SECRET = "t2-secret-fedcba9876543210-not-for-t1"
 
 
 def cli(*args: str, timeout: float = ASK_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    # forked from the pre-imported fork server where it can be (saves ~1.5 s of imports)
+    return _forkserver.run([*CLI, *args], timeout=timeout, stdin_devnull=True)
 
 
 def ask_json(entry: str, prompt: str, *, system: str | None = None,
