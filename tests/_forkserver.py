@@ -463,13 +463,15 @@ def run(args: list[str], *, env: dict[str, str] | None = None, timeout: float | 
         reader.start()
     try:
         rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:  # as subprocess.run: killed, output kept
         proc.kill()
         proc.wait()
-        raise
-    finally:
         for reader in readers:
             reader.join(10)
+        exc.stdout, exc.stderr = captured.get("stdout", ""), captured.get("stderr", "")
+        raise
+    for reader in readers:
+        reader.join(10)
     return subprocess.CompletedProcess(args, rc, captured.get("stdout", ""),
                                        captured.get("stderr", ""))
 

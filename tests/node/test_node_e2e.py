@@ -19,7 +19,6 @@ import json
 import os
 import re
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -524,14 +523,13 @@ def test_a_bad_config_stops_the_node_at_once_with_one_line(case, tmp_path):
     cfg.write_text("[node]\n" + "\n".join(body) + "\n[model]\n"
                    f"path = {json.dumps(str(default_model_path()))}\n")
     before = sorted(p.name for p in tmp_path.iterdir())
-    proc = subprocess.Popen([*CLI, "node", "--config", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    try:
-        out, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{case}: the node started instead of refusing the config: {out}{err}")
+    try:  # forked from the fork server where it can be: the same main, no imports
+        proc = _forkserver.run([*CLI, "node", "--config", str(cfg)], timeout=30,
+                               stdin_devnull=True)
+    except subprocess.TimeoutExpired as exc:  # killed
+        pytest.fail(f"{case}: the node started instead of refusing the config: "
+                    f"{exc.stdout}{exc.stderr}")
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode != 0, (case, out, err)
     err_lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(err_lines) == 1, (case, err)
