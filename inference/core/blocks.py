@@ -95,16 +95,20 @@ def extend_chain(
     _check_key(namespace_key)
     if len(prev) != HASH_BYTES:
         raise ValueError(f"previous hash must be {HASH_BYTES} bytes")
-    n_blocks = blocks_in(len(tokens), block_tokens)
+    n_tokens = blocks_in(len(tokens), block_tokens) * block_tokens
+    try:  # all whole blocks in one pack (a trailing partial block is never read)
+        packed = struct.pack(f"<{n_tokens}I", *tokens[:n_tokens])
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]") from exc
+    # a copy of the keyed state skips hashing the key block again for every block
+    keyed = hashlib.blake2b(key=namespace_key, digest_size=HASH_BYTES).copy
+    step = 4 * block_tokens
     out: list[bytes] = []
-    fmt = f"<{block_tokens}I"
-    for b in range(n_blocks):
-        block = tokens[b * block_tokens : (b + 1) * block_tokens]
-        try:
-            packed = struct.pack(fmt, *block)
-        except struct.error as exc:
-            raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]") from exc
-        prev = hashlib.blake2b(prev + packed, key=namespace_key, digest_size=HASH_BYTES).digest()
+    for at in range(0, len(packed), step):
+        h = keyed()
+        h.update(prev)
+        h.update(packed[at : at + step])
+        prev = h.digest()
         out.append(prev)
     return out
 

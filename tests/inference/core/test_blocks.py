@@ -1,5 +1,8 @@
 """Chained block hashes: prefix property, namespace separation, validation."""
 
+import hashlib
+import struct
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,6 +44,20 @@ def test_incremental_extension_matches_full_chain(tokens):
     head = chain_hashes(KEY_A, tokens[:cut])
     prev = head[-1] if head else ROOT_HASH
     assert head + extend_chain(KEY_A, prev, tokens[cut:]) == chain_hashes(KEY_A, tokens)
+
+
+@given(tokens_st, st.integers(1, 40))
+@settings(max_examples=200)
+def test_chain_is_its_definition(tokens, block_tokens):
+    """h_i = blake2b_8(h_{i-1} || uint32le(block i), key=namespace key): what the nodes
+    exchange, so the one-pack, copied-state implementation must compute exactly this."""
+    prev, want = ROOT_HASH, []
+    for b in range(len(tokens) // block_tokens):
+        block = tokens[b * block_tokens : (b + 1) * block_tokens]
+        data = prev + struct.pack(f"<{block_tokens}I", *block)
+        prev = hashlib.blake2b(data, key=KEY_A, digest_size=HASH_BYTES).digest()
+        want.append(prev)
+    assert extend_chain(KEY_A, ROOT_HASH, tokens, block_tokens) == want
 
 
 @given(st.lists(st.integers(0, 50_000), min_size=BLOCK_TOKENS, max_size=64))
