@@ -349,9 +349,7 @@ class PeerCacheIndex:
         for ns, new_hashes in new.items():
             fresh = new_hashes - old.get(ns, _EMPTY)
             if fresh:
-                table = self._postings.setdefault(ns, {})
-                for h in fresh:
-                    self._post(table, h, peer)
+                self._post_all(self._postings.setdefault(ns, {}), fresh, peer)
         held = {ns: hs for ns, hs in new.items() if hs}
         if held:
             self._held[peer] = held
@@ -369,8 +367,15 @@ class PeerCacheIndex:
             self.stats.hashes_truncated += len(fresh) - max(0, room)
             fresh = fresh[: max(0, room)]
         hashes.update(fresh)
+        self._post_all(table, fresh, peer)
+        return count + len(fresh)
+
+    @staticmethod
+    def _post_all(table: dict[bytes, _Posting], hashes: Iterable[bytes], peer: bytes) -> None:
+        """Add ``peer`` to the posting of each of ``hashes`` (one call per record: this
+        is the index's hottest loop)."""
         get = table.get
-        for h in fresh:  # _post, inlined: this is the index's hottest loop
+        for h in hashes:
             posting = get(h)
             if posting is None:
                 table[h] = peer
@@ -379,18 +384,6 @@ class PeerCacheIndex:
                     table[h] = {posting, peer}
             else:
                 posting.add(peer)
-        return count + len(fresh)
-
-    @staticmethod
-    def _post(table: dict[bytes, _Posting], h: bytes, peer: bytes) -> None:
-        posting = table.get(h)
-        if posting is None:
-            table[h] = peer
-        elif type(posting) is bytes:
-            if posting != peer:
-                table[h] = {posting, peer}
-        else:
-            posting.add(peer)
 
     @staticmethod
     def _unpost(table: dict[bytes, _Posting], h: bytes, peer: bytes) -> None:
