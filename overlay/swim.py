@@ -35,7 +35,9 @@ PING.
 Figures per peer. RTT: EWMA of our own PINGs' ACK times. Load, context length, model and
 digest summary hash: on the ACKs a member sends about itself
 (:class:`~.core.membership.AckInfo`; the hash and the model only when they changed since
-that stream's previous ACK, as PONGs did). Merit (issue 14): a peer that has answered our
+that stream's previous ACK, as PONGs did); an up peer whose latest figures say it is busy
+is PINGed again each period (:data:`BUSY_REFRESHES_PER_TICK` at most), so routing learns
+when it is free without waiting a round. Merit (issue 14): a peer that has answered our
 own direct PINGs for :data:`~.heartbeat.LONG_STANDING_S` is long-standing; gossip about a
 peer never grants merit.
 
@@ -94,6 +96,11 @@ _SENT_PINGS_MAX = 4096  # our PINGs awaiting an ACK, for RTT (pruned each period
 # link to the member is broken (a dead relay, a wedged connection) even if others reach
 # it; two periods leave a busy peer's late ACK time to arrive (the heartbeat gave 1.5 s)
 DIRECT_GRACE_S = 2 * mb.PROBE_INTERVAL_S
+# up peers whose latest figures say "busy" that are PINGed again per tick for fresh ones:
+# a round is N periods, so without this routing would avoid, for up to a round, a holder
+# of the prompt's prefix that finished long ago (a cold prefill instead of a cache hit);
+# the heartbeat's PONGs came every 0.5 s. Bounded: a few PINGs per period, whatever N.
+BUSY_REFRESHES_PER_TICK = 2
 
 
 class Swim(Liveness):
@@ -127,7 +134,7 @@ class Swim(Liveness):
             ("sent", "received", "bytes_out", "bytes_in", "dropped_outbox", "dropped_stale",
              "dropped_rate", "bad_messages", "send_failed", "dial_refused", "dial_failed",
              "streams_refused_rate", "streams_refused_concurrency", "link_checks",
-             "link_failures"), 0)
+             "link_failures", "busy_refreshes"), 0)
         self._nursery: trio.Nursery | None = None
         self._outboxes: dict[bytes, trio.MemorySendChannel] = {}
         self._sent_pings: dict[int, tuple[bytes, float]] = {}  # seq -> (to, sent at)
@@ -392,12 +399,12 @@ class Swim(Liveness):
                 self._set(peer, False)
             return
         was_up = self.is_up(peer)
-        self.links.failed(peer, self.clock())
-        self._reopen.add(peer)
-        self.stats["link_failures"] += 1
+        if self.links.failed(peer, self.clock()):  # news: a new stream, a check at once
+            self._reopen.add(peer)
+            self.stats["link_failures"] += 1
+            self._wake.set()
         if was_up:
             self._set(peer, False, f" (our link failed: {why})")
-        self._wake.set()
 
     def _check_links(self, now: float) -> None:
         """Probes of ours that went indirect without a direct ACK in time, up peers we
@@ -415,11 +422,22 @@ class Swim(Liveness):
             if send is not None:
                 self.stats["link_checks"] += 1
                 self._dispatch([send])
+        busy = sorted((h.figures_at, p) for p, h in self.health.items()
+                      if h.up and h.figures_at is not None and h.queue_depth + h.active > 0
+                      and now - h.figures_at >= mb.PROBE_INTERVAL_S)
+        for _, peer in busy[:BUSY_REFRESHES_PER_TICK]:
+            send = m.ping(peer)
+            if send is not None:
+                self.stats["busy_refreshes"] += 1
+                self._dispatch([send])
 
     def _after_change(self) -> None:
         """Apply the state machine's events to the health table."""
         m = self.membership
-        for ev in m.drain_events():
+        events = m.drain_events()
+        if events:
+            self._wake.set()  # a new or changed member may need a direct check now
+        for ev in events:
             peer = ev.peer
             if ev.state == "forgotten":
                 self._drop(peer)

@@ -84,14 +84,19 @@ class LinkView:
         if not link.suspect or link.answered_since_suspected:
             self._not_up.discard(peer)
 
-    def failed(self, peer: bytes, now: float) -> None:
-        """A direct contact of ours with ``peer`` failed: checked at the next tick."""
+    def failed(self, peer: bytes, now: float) -> bool:
+        """A direct contact of ours with ``peer`` failed. True when that is news (the link
+        was good): then it is checked at the next tick; a link that was failing already
+        keeps its backoff, so a dial that fails at once does not become a dial loop."""
         link = self._links.get(peer)
         if link is None:
-            return
-        link.ok = False
-        link.next_check_at = min(link.next_check_at, now)
+            return False
+        news = link.ok
+        if news:
+            link.ok = False
+            link.next_check_at = min(link.next_check_at, now)
         self._not_up.add(peer)
+        return news
 
     def state_changed(self, peer: bytes, state: str, now: float) -> None:
         """The membership's state of ``peer`` changed (ALIVE, SUSPECT or DEAD)."""

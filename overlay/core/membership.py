@@ -13,9 +13,10 @@ probes one member per period and spreads what it learns on the probe messages th
   refutes: a node that hears it is suspected raises its incarnation number and spreads
   ALIVE with it. Incarnations order every claim about a member (see :func:`supersedes`).
   The timeout grows with log N because dissemination does.
-* **Push-pull on join.** A member heard from for the first time (or back from the dead)
-  gets a :class:`Sync`: a window of up to ``MAX_SYNC_UPDATES`` alive members, taken like
-  piggybacked claims (what is news to the receiver it spreads on), so a newcomer knows
+* **Push-pull on join.** A member heard from for the first time (or back from the dead,
+  or speaking under a higher incarnation than we hold: restarted before we declared it
+  dead, it remembers nobody; once per incarnation) gets a :class:`Sync`: a window of up
+  to ``MAX_SYNC_UPDATES`` alive members, taken like piggybacked claims (what is news to the receiver it spreads on), so a newcomer knows
   much of the mesh after one exchange (cold start of 256 nodes: 74 % of the full view at
   10 s instead of 31 %, docs/SCALING.md).
 * **Out-of-round probes.** The shell may probe a member outside the round: a direct
@@ -228,6 +229,7 @@ class Membership:
         self._order: list[bytes] = []  # this round's probe order
         self._probe: _Probe | None = None
         self._checks: dict[bytes, _Probe] = {}  # out-of-round probes (probe_failed), by target
+        self._synced: dict[bytes, int] = {}  # the incarnation each member last got a SYNC at
         self._next_probe_at = now
         self._seq = 0
         self._relays: dict[int, tuple[bytes, int, float]] = {}  # our seq -> (asker, seq, t)
@@ -362,13 +364,21 @@ class Membership:
             return []
         known = self._members.get(sender)
         stranger = known is None or known.update.state == DEAD
+        if (not stranger and 0 < known.update.incarnation < message.incarnation
+                and message.incarnation > self._synced.get(sender, -1)):
+            # back under a new incarnation (not the 0 of a member joined out of band):
+            # restarted, it knows nobody
+            stranger = True
         check = self._checks.get(sender)
         if check is not None:
             check.acked = True  # it speaks to us: our failed contact was not its death
         for u in message.updates:
             self._apply(u, now)
         self._note_sender(sender, message.incarnation, now)
-        out = [self._sync_for(sender)] if stranger and sender in self._members else []
+        out = []
+        if stranger and sender in self._members:
+            self._synced[sender] = message.incarnation  # one SYNC per incarnation
+            out.append(self._sync_for(sender))
         return out + self._answer(sender, message, now)
 
     def _answer(self, sender: bytes, message: Message, now: float) -> list[Send]:
@@ -515,6 +525,7 @@ class Membership:
         del self._members[peer]
         self._suspects.pop(peer, None)
         self._checks.pop(peer, None)
+        self._synced.pop(peer, None)
         i = self._index.pop(peer)
         last = self._ids.pop()
         if last != peer:  # swap-remove keeps random choice O(1)

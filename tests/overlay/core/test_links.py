@@ -22,8 +22,13 @@ def test_a_member_is_up_only_after_it_answers_us_and_until_a_failure():
     v.failed(b"p", 1.0)
     assert not v.is_up(b"p", ALIVE)  # alive for the mesh, not reachable by us
     assert v.due(1.0, lambda p: ALIVE) == [b"p"]
+    # failing again while failed is no news: the backoff holds (no dial loop)
+    assert v.failed(b"p", 1.1) is False
+    assert v.due(1.1, lambda p: ALIVE) == []
     v.answered(b"p")
     assert v.is_up(b"p", ALIVE)
+    assert v.failed(b"p", 5.0) is True
+    v.answered(b"p")
     assert not v.is_up(b"p", DEAD) and not v.is_up(b"p", None)
 
 

@@ -367,3 +367,17 @@ def test_out_of_round_probes_stay_bounded_and_never_touch_strangers(ops):
     assert a.probe_failed(b"stranger", now) == []
     a.tick(now + 10 * mb.PROBE_INTERVAL_S)
     assert not a._checks
+
+
+def test_a_member_back_under_a_new_incarnation_gets_one_sync():
+    """Restarted before anyone declared it dead, a member remembers nobody: the first
+    member it speaks to under its new incarnation sends it a SYNC, once."""
+    a = _mesh_of(b"a", [b"t", b"h1", b"h2"])
+    a.learn(Update(b"t", 1, ALIVE), 0.0)  # t's own incarnation, heard before
+    a.receive(b"t", Ping(1, 1), 0.0)  # t at its incarnation, known: no SYNC
+    assert not any(isinstance(s.message, Sync) for s in a.receive(b"t", Ping(2, 1), 0.1))
+    back = a.receive(b"t", Ping(3, 5_000), 0.2)  # restarted: a new, higher incarnation
+    [sync] = [s for s in back if isinstance(s.message, Sync)]
+    assert sync.to == b"t" and {u.peer for u in sync.message.updates} >= {b"h1", b"h2"}
+    again = a.receive(b"t", Ping(4, 5_000), 0.3)
+    assert not any(isinstance(s.message, Sync) for s in again)
