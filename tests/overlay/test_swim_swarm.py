@@ -1,5 +1,5 @@
-"""SWIM membership (overlay/swim.py, opt-in: ``--membership swim``) with real node processes on
-127.0.0.1 (real libp2p, simulated engine: the faults are in the overlay, not the model):
+"""SWIM membership (overlay/swim.py, the default; named explicitly, ``--membership swim``)
+with real node processes on 127.0.0.1 (real libp2p, simulated engine: the faults are in the overlay, not the model):
 
 - a third node learns a peer it was never told about (no digests, no DHT, no mDNS: only
   membership dissemination can teach it), and sees it up;
