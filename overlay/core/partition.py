@@ -56,7 +56,9 @@ Limits
 ------
 :data:`MAX_PARTITIONS` = 65,536 partitions, :data:`MAX_REPLICAS` = 16;
 :data:`MAX_LOOKUP_BLOCKS` = 4,096 blocks per lookup (64 Ki tokens),
-:data:`MAX_LOOKUP_HOLDERS` = 256 holders per answer, :data:`MAX_PARTITION_MESSAGE_BYTES`
+:data:`MAX_LOOKUP_HOLDERS` = 256 holders per answer decoded (a home sends at most
+:data:`ANSWER_HOLDERS` = 16: the longest matches, lighter load first among equals),
+:data:`MAX_PARTITION_MESSAGE_BYTES`
 = 1 MiB per push/ack/lookup message (a push carries at most one 64 KiB record budget in
 practice); every decoder is bounded (:func:`~.digest.loads_bounded`) and raises
 :class:`PartitionMessageError` only. A node holds at most ``P`` streams and ``P``
@@ -100,6 +102,7 @@ __all__ = [
     "MAX_REPLICAS",
     "MAX_LOOKUP_BLOCKS",
     "MAX_LOOKUP_HOLDERS",
+    "ANSWER_HOLDERS",
     "MAX_PARTITION_MESSAGE_BYTES",
     "PartitionConfig",
     "PartitionError",
@@ -129,6 +132,12 @@ MAX_PARTITIONS = 65536
 MAX_REPLICAS = 16
 MAX_LOOKUP_BLOCKS = 4096
 MAX_LOOKUP_HOLDERS = 256
+#: holders a home puts in an answer. Every node holding a popular prompt's first blocks
+#: matches it, so at N=256 answers listed dozens of holders (most with a short, shared
+#: header match) and lookups grew to 0.65 KB/s per node; the router needs the longest
+#: matches and a few alternatives for load. A holder left out costs a miss, never a
+#: wrong answer (the LookupCache's reasoning then understates, see there).
+ANSWER_HOLDERS = 16
 MAX_PARTITION_MESSAGE_BYTES = 1024 * 1024
 _MAX_PUSH_RECORDS = 256
 _PARTITION_KEY = b"prefixmesh/partition/v1"
@@ -474,8 +483,9 @@ class PartitionedDigest:
     # --- lookups and estimates ----------------------------------------------------------
 
     def lookup(self, p: int, ns: bytes, chain: Sequence[bytes]) -> list[HolderMatch]:
-        """Answer a lookup as a home of ``p`` (our own holdings included): every holder
-        with at least one leading block of ``chain``, longest first."""
+        """Answer a lookup as a home of ``p`` (our own holdings included): the
+        :data:`ANSWER_HOLDERS` holders with the most leading blocks of ``chain``, ties
+        broken by the lighter load (then peer id), longest first."""
         if not 0 <= p < self.config.n_partitions:
             raise PartitionMessageError(f"partition {p} out of range")
         self.stats["lookups_answered"] += 1
@@ -489,8 +499,8 @@ class PartitionedDigest:
             known = self._estimates.get(peer)
             if known is not None:
                 out.append(HolderMatch(peer, blocks, known[1], known[0]))
-        out.sort(key=lambda h: (-h.blocks, h.peer))
-        return out[:MAX_LOOKUP_HOLDERS]
+        out.sort(key=lambda h: (-h.blocks, h.load.queue_depth + h.load.active, h.peer))
+        return out[:ANSWER_HOLDERS]
 
     def _note_load(self, peer: bytes, expires_at: float, load: LoadFigures) -> None:
         known = self._estimates.get(peer)
