@@ -103,3 +103,26 @@ def test_frozen_peers_is_an_immutable_dict():
         with pytest.raises(TypeError):
             mutate()
     assert len(table) == 2
+
+
+def test_cached_pools_stay_exact_past_their_bound():
+    """The sorted pool is cached per left-out set (a few per table, least recently used
+    dropped): every plan's pool is still exactly the sorted eligible peers, whatever the
+    order in which left-out sets come back."""
+    peers = [(i % 3, True, None, 64 if i % 7 == 0 else None) for i in range(N_PEERS)]
+    me, pd, links, chain = _world(peers, 1)
+    planner, table = _planner(me, pd), FrozenPeers(links)
+    order = sorted(links)
+    prompt = 6 * BLOCK_TOKENS + 3
+    visited_sets = [frozenset(order[i : i + k]) for k in (0, 1, 2) for i in range(5)]
+    for t, visited in enumerate(visited_sets + visited_sets[::-1] + visited_sets):
+        inp = PlanInput(
+            ns=NS, chain=chain, prompt_tokens=prompt, local_matched_tokens=0,
+            local_prefill_tps=420.0, local_queue_wait_s=0.3, local_load=1.0,
+            avg_request_s=0.5, hop_budget=2, visited=visited, forwarded_in=False,
+            peers=table, may_look_up=False,
+        )  # fmt: skip
+        plan = planner.plan(inp, float(t))
+        want = tuple(sorted(p for p, link in links.items() if p not in visited
+                            and (link.context_tokens is None or prompt < link.context_tokens)))
+        assert plan.ctx.all_peers == want
