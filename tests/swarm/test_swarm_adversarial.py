@@ -26,10 +26,13 @@ STORYTELLER = (
 )
 SYSTEM = STORYTELLER * 8
 STORY = [("system", SYSTEM), ("user", "Tell me a long story about a lighthouse keeper.")]
+# the spot-check test's two prompts (~130 tokens: a cached prefix of 7 blocks is worth a
+# forward many times over; each costs the test ~4 cold prefills: cache, check, reference)
+SPOT_STORY = [("system", STORYTELLER * 4), STORY[1]]
 OTHER_SYSTEM = (
     "You are a careful gardener. You explain how to grow tomatoes, beans, herbs and "
     "flowers in small city gardens, season by season, with practical advice. "
-) * 8
+) * 4
 GARDEN = [("system", OTHER_SYSTEM), ("user", "How do I grow basil on a balcony?")]
 
 
@@ -79,8 +82,8 @@ def test_wrong_tokens_are_caught_by_spot_checks(tmp_path):
 
         # the faulty node: its answer reaches the client (checks never delay it), is
         # re-executed at A afterwards, and the mismatch sinks B's trust under the floor
-        _warm(a, b, STORY)
-        bad = ask(a.addr, STORY, max_tokens=8)
+        _warm(a, b, SPOT_STORY)
+        bad = ask(a.addr, SPOT_STORY, max_tokens=8)
         assert bad.final.serving == b.peer_id
         assert bad.text.startswith("#")  # the fault is really active
         stats = wait_until(
@@ -95,20 +98,24 @@ def test_wrong_tokens_are_caught_by_spot_checks(tmp_path):
         assert "first mismatch at token 0" in line
 
         # afterwards B is no longer routed to, and the answer is the correct greedy text
-        reference = ask(c.addr, STORY, max_tokens=8, hop_budget=0)
-        after = ask(a.addr, STORY, max_tokens=8)
+        reference = ask(c.addr, SPOT_STORY, max_tokens=8, hop_budget=0)
+        after = ask(a.addr, SPOT_STORY, max_tokens=8)
         assert after.final.serving != b.peer_id
         assert after.text == reference.text
         assert not reference.text.startswith("#")
 
 
 def _liar_prompt(i: int) -> list[tuple[str, str]]:
-    # distinct from the first block on: nobody can hold another request's prefix; ~200
-    # tokens (12 blocks, the liar claims them all): the test's cost is 48 cold prefills of
+    # distinct from the first block on: nobody can hold another request's prefix; ~140
+    # tokens (8 blocks, the liar claims them all): the test's cost is 48 cold prefills of
     # these, and the saving a claim promises and the saving a forward requires both scale
-    # with the prompt's length
-    return [("system", f"Logbook entry {i}, harbour {i * 7 % 13}. " + STORYTELLER * 5),
+    # with the prompt's length (a full miss costs the liar 11.3 % of its trust here, 11.6 %
+    # with 12 blocks: the header's few cached tokens are a slightly larger share)
+    return [("system", f"Logbook entry {i}, harbour {i * 7 % 13}. " + STORYTELLER * 3),
             ("user", f"Tell me story number {i} about the lighthouse keeper.")]
+
+
+LIAR_BLOCKS = 7  # blocks of each liar prompt D's false digest claims, at least
 
 
 def _forwarded_to(answer, entry, peer) -> bool:
@@ -138,7 +145,7 @@ def test_lying_digest_peer_loses_its_share_and_answers_stay_correct(tmp_path):
         def ready():
             info = {p.peer: p for p in peers(a.addr).peers}
             return all(n.peer_id in info and info[n.peer_id].up for n in (b, c, d)) and \
-                info[d.peer_id].n_hashes >= n_prompts * 10
+                info[d.peer_id].n_hashes >= n_prompts * LIAR_BLOCKS
 
         wait_until(ready, timeout_s=60, what="A to see B, C, D and D's (false) digest")
 
