@@ -240,7 +240,8 @@ def _window(nodes: list[_Node], seconds: float, rate: float, prefixes: int,
 
 def measure(n: int, membership: str, idle_s: float, mesh_timeout_s: float, *,
             digests: bool = False, partitions: int = 0, prefixes: int = 0,
-            rate: float = 0.0, seed: int = 1, refresh_s: float = 0.0) -> list[dict]:
+            rate: float = 0.0, seed: int = 1, refresh_s: float = 0.0,
+            start_batch: int = 1) -> list[dict]:
     """An idle window, then (``rate`` > 0) a loaded one, on one swarm: one dict each."""
     root = Path(tempfile.mkdtemp(prefix=f"pm-membership-{membership}-"))
     nodes: list[_Node] = []
@@ -249,15 +250,19 @@ def measure(n: int, membership: str, idle_s: float, mesh_timeout_s: float, *,
         head.update(digests="partitioned" if partitions else "full", partitions=partitions,
                     **({"refresh_s": refresh_s} if refresh_s else {}))
     try:
-        for i in range(n):
+        while len(nodes) < n:
             # SWIM spreads members itself: a few seeds each (dialling every earlier node
             # timed out on a saturated machine); the heartbeat needs every one
             seeds = [x.addr for x in nodes]
             if membership == "swim":
                 seeds = seeds[:1] + seeds[-(SWIM_SEEDS - 1):] if len(seeds) > SWIM_SEEDS else seeds
-            nd = _Node(root, i, membership, seeds, digests, partitions, refresh_s)
-            nodes.append(nd)
-            nd.wait_ready(START_TIMEOUT_S)
+            # the first node alone, then ``start_batch`` at a time from the nodes before
+            batch = [_Node(root, len(nodes) + j, membership, seeds, digests, partitions,
+                           refresh_s)
+                     for j in range(min(start_batch if nodes else 1, n - len(nodes)))]
+            nodes.extend(batch)  # before waiting: a start that fails still stops them all
+            for nd in batch:
+                nd.wait_ready(START_TIMEOUT_S)
         if digests and prefixes:
             head["prefixes_seeded"] = trio.run(_seed, nodes, prefixes)
         t0 = time.monotonic()
@@ -294,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.0,
                    help="requests/s (all nodes together) during the window; 0: idle")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--start-batch", type=int, default=1,
+                   help="nodes started at once after the first (1: one by one)")
     p.add_argument("--refresh", type=float, default=0.0,
                    help="with --digests: [digest] refresh_interval_s (ttl 3x; 0: the default)")
     p.add_argument("--node", help=argparse.SUPPRESS)  # child process: run one node
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in a.membership.split(","):
         for row in measure(a.nodes, m.strip(), a.idle, a.mesh_timeout, digests=a.digests,
                            partitions=a.partitions, prefixes=a.prefixes, rate=a.rate,
-                           seed=a.seed, refresh_s=a.refresh):
+                           seed=a.seed, refresh_s=a.refresh, start_batch=a.start_batch):
             print(json.dumps(row), flush=True)
     return 0
 
