@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+import _forkserver
 import httpx
 import pytest
 from _browser import browser
@@ -216,19 +216,19 @@ def test_status_cli_prints_the_same_facts(swarm):
     ns, _ = swarm
     a, b, c = ns["A"], ns["B"], ns["C"]
     run = [sys.executable, "-m", "prefixmesh", "status", "--peer", a.url, "--api-key", KEY]
-    out = subprocess.run(run, capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, COLUMNS="120", LINES="40"))
+    # the status processes are forked from the fork server where they can be (same main)
+    out = _forkserver.run(run, timeout=60, env=dict(os.environ, COLUMNS="120", LINES="40"))
     assert out.returncode == 0, out.stderr
     assert a.proc.peer_b58 in out.stdout
     assert b.proc.peer_b58[-8:] in out.stdout and c.proc.peer_b58[-8:] in out.stdout
     assert "peers (2 up of 2)" in out.stdout
     assert "public" in out.stdout and "last requests" in out.stdout
     # --watch redraws (twice here), on the node without a gateway, no key needed there
-    out = subprocess.run([sys.executable, "-m", "prefixmesh", "status", "--peer",
-                          c.url.removeprefix("http://"), "--watch", "--interval", "0.2",
-                          "--rounds", "2"], capture_output=True, text=True, timeout=60)
+    out = _forkserver.run([sys.executable, "-m", "prefixmesh", "status", "--peer",
+                           c.url.removeprefix("http://"), "--watch", "--interval", "0.2",
+                           "--rounds", "2"], timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("\x1b[2J") == 2 and c.proc.peer_b58 in out.stdout
     # wrong key: one line, exit 1
-    out = subprocess.run([*run[:-1], "wrong"], capture_output=True, text=True, timeout=60)
+    out = _forkserver.run([*run[:-1], "wrong"], timeout=60)
     assert out.returncode == 1 and "HTTP 401" in out.stderr and len(out.stderr.splitlines()) == 1
