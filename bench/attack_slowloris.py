@@ -10,7 +10,7 @@ Starts one node with the simulated engine (as ``bench/attack_digest_flood.py`` d
 1. *unattacked*: 20 sequential honest requests, each on a new connection (a new
    identity, so no history with the node);
 2. *attacked*: in a separate attacker process (``tests/adversary/slowloris.py``),
-   identities x streams on each of infer, digest, peers and ping, plus an infer flood
+   identities x streams on each of infer, digest, peers and swim, plus an infer flood
    of more identities x 64 streams, each stream announcing a 512 KiB frame
    and trickling one byte every 2-5 s, reopened whenever the node cuts it (the sizes are
    flags; the defaults are issue 14's attack: 5 identities x 64 infer streams, one byte
@@ -90,7 +90,7 @@ async def _attack(addr: str, args: argparse.Namespace) -> dict:
     async with trio.open_nursery() as nursery:
         if args.identities:
             nursery.start_soon(lambda: one(
-                "slowloris", protocols=["infer", "digest", "peers", "ping"],
+                "slowloris", protocols=["infer", "digest", "peers", "swim"],
                 identities=args.identities, streams=args.streams, gap_s=2.0))
         if args.flood_identities:
             nursery.start_soon(lambda: one("infer_flood", protocols=["infer"],
@@ -173,7 +173,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flood-identities", type=int, default=5,
                     help="identities opening 64 trickled infer streams each (default 5)")
     ap.add_argument("--identities", type=int, default=2,
-                    help="identities trickling on infer, digest, peers and ping (default 2)")
+                    help="identities trickling on infer, digest, peers and swim (default 2)")
     ap.add_argument("--streams", type=int, default=4,
                     help="streams per protocol of each of those (default 4)")
     ap.add_argument("--settle", type=float, default=10.0,

@@ -11,7 +11,7 @@ to a random node, each on a new connection with a fresh identity (``max_tokens``
 2. *attacked*, ``--minutes``: a separate attacker process (outsider code from
    ``tests/adversary/``) runs at the same time the digest flood with foreign addresses
    (1,100 fresh-identity records naming 127.0.0.2..9, at a random node every 60 s),
-   slowloris on infer/digest/peers/ping at the first node (3 identities x 8 streams,
+   slowloris on infer/digest/peers/swim at the first node (3 identities x 8 streams,
    plus 8 identities x 64 infer streams), 200 Sybil identities holding connections to
    the last node and 2 identities looping PEERS queries at it;
 3. *after*, ``--quiet-s`` seconds once the attacker process has exited.
@@ -113,7 +113,7 @@ async def _attack(addrs: list[str], foreign: list[str], duration_s: float,
         nursery.start_soon(endless)
         if "slowloris" in attacks:
             nursery.start_soon(lambda: slow("slowloris", protocols=[
-                "infer", "digest", "peers", "ping"], identities=3, streams=8))
+                "infer", "digest", "peers", "swim"], identities=3, streams=8))
             nursery.start_soon(lambda: slow("infer_slots", protocols=["infer"], identities=8,
                                             streams=64, gap_s=5.0))
     out.update(sybil=conns, peers_flood=peers)
