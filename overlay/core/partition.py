@@ -42,8 +42,8 @@ the heartbeats' job, not the digests').
 Lookups
 -------
 A router that is a home of the request's partition reads its own index. Otherwise it
-sends a home the request's chain (:func:`encode_lookup`); the home answers each holder's
-matched block count and last load figures (:func:`encode_lookup_answer`;
+sends a home the request's chain (:func:`encode_lookup`); the home answers the matched
+block count and last load figures of the :data:`ANSWER_HOLDERS` best holders (:func:`encode_lookup_answer`;
 :meth:`PartitionedDigest.lookup`), and the router keeps the answer in a
 :class:`LookupCache` for ``lookup_ttl_s`` keyed by (namespace, root): a later request
 with the same root is credited with the common prefix of its chain and the matched
