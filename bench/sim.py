@@ -194,12 +194,12 @@ class SimConfig:
     # per cached prompt (the model before issue 17)
     prefix_sharing: bool = True
     min_share_tokens: int = 16  # the engine's min_snapshot_tokens (branch points)
-    gossip_interval_s: float = 1.0
-    gossip_fanout: int = 3  # node default ([digest] fanout)
-    gossip_budget_bytes: int = 64 * 1024
+    gossip_interval_s: float = _NODE_DIGEST.interval_s
+    gossip_fanout: int = _NODE_DIGEST.fanout
+    gossip_budget_bytes: int = _NODE_DIGEST.byte_budget
     decode_messages: bool = False  # decode exchange messages (see bench/gossip.py)
-    digest_ttl_s: float = 60.0
-    refresh_interval_s: float = 20.0
+    digest_ttl_s: float = _NODE_DIGEST.ttl_s
+    refresh_interval_s: float = _NODE_DIGEST.refresh_interval_s
     # digest-rate knobs (AntiEntropy): at most one own delta per this many seconds (0:
     # every gossip tick with changes)
     min_record_interval_s: float = _NODE_DIGEST.min_record_interval_s
@@ -220,8 +220,8 @@ class SimConfig:
     partitions: int = 0
     replicas: int = 3
     lookup_ttl_s: float = 2.0
-    partition_refresh_s: float = 300.0
-    partition_ttl_s: float = 900.0
+    partition_refresh_s: float = _NODE_DIGEST.partition_refresh_s
+    partition_ttl_s: float = _NODE_DIGEST.partition_ttl_s
     liar_fraction: float = 0.0  # nodes advertising prefixes they do not hold
     entry: str = "random"  # random | round-robin | first (all requests enter at node 0)
     seed: int = 0
@@ -1231,8 +1231,8 @@ def measure_idle_digest(
     min_record_interval_s: float = 0.0,
     bucket_summaries: bool = False,
     compaction_ratio: float = 1.0,
-    refresh_interval_s: float = 20.0,
-    digest_ttl_s: float = 60.0,
+    refresh_interval_s: float = SimConfig.refresh_interval_s,
+    digest_ttl_s: float = SimConfig.digest_ttl_s,
     partitions: int = 0,
     partition_refresh_s: float = SimConfig.partition_refresh_s,
 ) -> dict:

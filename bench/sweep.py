@@ -349,8 +349,10 @@ def exp_ski(ctx: Ctx) -> list[dict]:
     return rows
 
 # (label, SimConfig overrides) of the T7 experiment; each starts from the plain exchange
-# (no buckets, compaction 1), not from the node's defaults (which are the best variant)
-_T7_PLAIN = {"bucket_summaries": False, "compaction_ratio": 1.0}
+# (no buckets, compaction 1, a refresh every 20 s living 60 s: the node's digest defaults
+# when T7 was run, before liveness moved to the membership), not from today's defaults
+_T7_PLAIN = {"bucket_summaries": False, "compaction_ratio": 1.0,
+             "refresh_interval_s": 20.0, "digest_ttl_s": 60.0}
 T7_VARIANTS = [(label, {**_T7_PLAIN, **knobs}) for label, knobs in [
     ("full summaries", {}),
     ("buckets", {"bucket_summaries": True}),
