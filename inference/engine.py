@@ -163,11 +163,6 @@ BATCH_MODES = ("deterministic", "throughput")
 MAX_TOP_LOGPROBS = 20
 _EWMA_ALPHA = 0.3
 _MIN_PREFILL_FOR_RATE = 16
-# the first prefill after start also pages the weights in and allocates compute buffers
-# (a fresh node's first 256-token prefill measured ~1.5x slower than its peer's rate); a
-# rate from it alone makes a new node price itself out, forward its cold work to peers
-# and never measure itself again (until then the planner uses the peers' median rate)
-_WARMUP_PREFILLS = 1
 _load_lock = threading.Lock()
 
 
@@ -477,7 +472,6 @@ class Engine:
         self._ids = itertools.count(1)
         self._active = 0
         self._prefill_tps = 0.0
-        self._prefills_unmeasured = _WARMUP_PREFILLS  # module constant's comment
         self._decode_tps = 0.0
         self._closed = False
         self._llama = None
@@ -621,15 +615,6 @@ class Engine:
         """Raise :class:`InvalidRequestError` if llama.cpp cannot compile the GBNF ``text``
         (thread-safe; what a request with that grammar would be refused for)."""
         self._compile_grammar(text).close()
-
-    def _observe_prefill(self, stats) -> None:
-        """Fold a request's prefill rate into the advertised one (warm-up ones excepted)."""
-        if stats.prefill_tokens < _MIN_PREFILL_FOR_RATE or stats.prefill_s <= 0:
-            return
-        if self._prefills_unmeasured > 0:
-            self._prefills_unmeasured -= 1
-            return
-        self._prefill_tps = _ewma(self._prefill_tps, stats.prefill_tokens / stats.prefill_s)
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -1102,7 +1087,8 @@ class Engine:
             stats.finish_reason = "cancelled"
             stats.total_s = time.perf_counter() - t_start
             return Completion([], "", "cancelled", stats)
-        self._observe_prefill(stats)
+        if stats.prefill_tokens >= _MIN_PREFILL_FOR_RATE and stats.prefill_s > 0:
+            self._prefill_tps = _ewma(self._prefill_tps, stats.prefill_tokens / stats.prefill_s)
 
         # 4: sample and stream
         params = h.params
@@ -1540,7 +1526,8 @@ class Engine:
         if len(slot.generated) > 1 and stats.decode_s > 0:
             stats.decode_tps = (len(slot.generated) - 1) / stats.decode_s
             self._decode_tps = _ewma(self._decode_tps, stats.decode_tps)
-        self._observe_prefill(stats)
+        if stats.prefill_tokens >= _MIN_PREFILL_FOR_RATE and stats.prefill_s > 0:
+            self._prefill_tps = _ewma(self._prefill_tps, stats.prefill_tokens / stats.prefill_s)
         stats.total_s = t_end - slot.t_start
         stats.finish_reason = finish
         h._finish(Completion(slot.generated, "".join(slot.text_parts), finish, stats), None)
