@@ -492,15 +492,20 @@ class PartitionedDigest:
         index = self.indexes.get(p)
         if index is None or not chain:
             return []
-        out = []
+        # the freshest load figures we know of each holder, from any of its streams we
+        # hold (its stream of this partition may be quiet while another is busy); ranked
+        # as plain tuples (peer ids are unique: a total order) and only the answered
+        # holders are built
+        estimates = self._estimates.get
+        ranked = []
         for peer, blocks in index.longest_matches(ns, chain).items():
-            # the freshest load figures we know of the holder, from any of its streams we
-            # hold (its stream of this partition may be quiet while another is busy)
-            known = self._estimates.get(peer)
+            known = estimates(peer)
             if known is not None:
-                out.append(HolderMatch(peer, blocks, known[1], known[0]))
-        out.sort(key=lambda h: (-h.blocks, h.load.queue_depth + h.load.active, h.peer))
-        return out[:ANSWER_HOLDERS]
+                load = known[1]
+                ranked.append((-blocks, load.queue_depth + load.active, peer, known))
+        ranked.sort()
+        return [HolderMatch(peer, -neg_blocks, known[1], known[0])
+                for neg_blocks, _, peer, known in ranked[:ANSWER_HOLDERS]]
 
     def _note_load(self, peer: bytes, expires_at: float, load: LoadFigures) -> None:
         known = self._estimates.get(peer)
