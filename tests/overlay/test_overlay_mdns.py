@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import uuid
 
 import pytest
@@ -47,12 +48,50 @@ def lan():
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
-def _peers_in(ns: str, addr: str) -> dict:
-    out = subprocess.run(
-        ["ip", "netns", "exec", ns, sys.executable, "-m", "prefixmesh.node.client", "peers", addr],
-        capture_output=True, text=True, timeout=60,
-    )
-    return json.loads(out.stdout or "{}")
+# Polls a node's peers report (what ``python -m prefixmesh.node.client peers ADDR`` prints)
+# from inside a namespace until it lists PEER, then until it lists PEER up; prints the entry
+# each time (one JSON line each). One interpreter for all the polls: an interpreter start in
+# a namespace (no fork server there) costs ~2 s of imports, as much as mDNS discovery itself.
+_WATCH_FOR_PEER = """
+import json, sys, time
+import trio
+from prefixmesh.node.client import Client
+addr, peer = sys.argv[1], sys.argv[2]
+
+async def report():
+    async with Client.connect(addr) as client:
+        return await client.peers_report()
+
+def entry():
+    try:
+        rep = trio.run(report)
+    except Exception:  # not answering yet: poll again (the caller's timeout bounds it)
+        return None
+    return next((p for p in rep.get("peers", []) if p["peer"] == peer), None)
+
+for want_up in (False, True):
+    while (found := entry()) is None or (want_up and not found["up"]):
+        time.sleep(0.5)
+    print(json.dumps(found), flush=True)
+"""
+
+
+def _watch_in(ns: str, addr: str, peer_b58: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", _WATCH_FOR_PEER, addr, peer_b58],
+        stdout=subprocess.PIPE, text=True)
+
+
+def _next_line(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
+    """The watcher's next line within ``timeout_s``; the watcher is killed on a timeout."""
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not lines or not lines[0]:
+        proc.kill()
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    return lines[0]
 
 
 def test_mdns_discovery_on_a_virtual_lan(lan, tmp_path):
@@ -63,15 +102,16 @@ def test_mdns_discovery_on_a_virtual_lan(lan, tmp_path):
         b = s.add("B", netns=ns_b, listen=f"/ip4/{ip_b}/tcp/0", mdns=True, digest=False)
         assert a.addr.startswith(f"/ip4/{ip_a}/tcp/")  # concrete address, real port
 
-        def b_found_a():
-            report = _peers_in(ns_b, b.addr)
-            return [p for p in report.get("peers", []) if p["peer"] == a.peer_b58]
-
-        found = wait_until(b_found_a, timeout_s=40, interval_s=1.0, what="B to discover A via mDNS")
-        assert "mdns" in found[0]["sources"]
-        assert any(addr.startswith(f"/ip4/{ip_a}/tcp/") for addr in found[0]["addrs"])
-        assert "0.0.0.0" not in json.dumps(found)
-        wait_until(lambda: b_found_a()[0]["up"], timeout_s=20, what="B to connect to A")
+        watcher = _watch_in(ns_b, b.addr, a.peer_b58)
+        try:
+            found = json.loads(_next_line(watcher, 40, "B to discover A via mDNS"))
+            assert "mdns" in found["sources"]
+            assert any(addr.startswith(f"/ip4/{ip_a}/tcp/") for addr in found["addrs"])
+            assert "0.0.0.0" not in json.dumps(found)
+            assert json.loads(_next_line(watcher, 20, "B to connect to A"))["up"]
+        finally:
+            watcher.kill()
+            watcher.wait()
 
 
 def test_cli_client_without_peer_finds_a_node_over_mdns(lan, tmp_path):
