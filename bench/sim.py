@@ -260,16 +260,20 @@ def memoised_record_decoding(maxsize: int = 1 << 20) -> Iterator[None]:
     and afterwards returns the same ``SignedRecord`` only when the call is one whose
     outcome cannot differ: ``check_expiry=False`` (what ``AntiEntropy.receive`` passes)
     and ``issued_at <= now + max_clock_skew``. Any other call, and every failing record,
-    goes to the real function. Signature checks are memoised the same way, and a
-    signature made during the run is known valid from the start: Ed25519 signing is
+    goes to the real function. Signature checks are memoised the same way.
+
+    The run's own records are known from the start: ``sign_record`` returns what
+    ``decode_record`` yields for its bytes (its contract, property-tested in
+    tests/overlay/core/test_digest.py), so each record the run signs enters the memo as
+    it is signed, and a signature made during the run is known valid (Ed25519 signing is
     deterministic and what ``Identity.sign`` returns verifies under that identity's
-    public key, so the check of a record the run signed itself has one possible outcome
-    (True) and is answered from the memo; any other (key, message, signature), a record
-    altered or signed elsewhere included, goes to the real Ed25519 check.
+    public key). Any other bytes, a record altered or signed elsewhere included, go to
+    the real parse and the real Ed25519 check.
     """
     original_decode = _ae_mod.decode_record
     original_verify = _digest_mod.verify_with_public_key
     original_sign = Identity.sign
+    original_sign_record = _ae_mod.sign_record
     memo: dict[bytes, object] = {}
     verdicts: dict[tuple[bytes, bytes, bytes], bool] = {}
 
@@ -281,6 +285,14 @@ def memoised_record_decoding(maxsize: int = 1 << 20) -> Iterator[None]:
             raw, now=now, max_clock_skew=max_clock_skew, check_expiry=check_expiry
         )
         if not check_expiry and len(memo) < maxsize:
+            memo[signed.raw] = signed
+        return signed
+
+    def sign_record(record, identity):
+        # what decode_record yields for these bytes (sign_record's contract, checked in
+        # tests/bench/test_sim.py): the run's own records are parsed once, here
+        signed = original_sign_record(record, identity)
+        if len(memo) < maxsize:
             memo[signed.raw] = signed
         return signed
 
@@ -302,12 +314,14 @@ def memoised_record_decoding(maxsize: int = 1 << 20) -> Iterator[None]:
     _ae_mod.decode_record = decode
     _digest_mod.verify_with_public_key = verify
     Identity.sign = sign
+    _ae_mod.sign_record = sign_record
     try:
         yield
     finally:
         _ae_mod.decode_record = original_decode
         _digest_mod.verify_with_public_key = original_verify
         Identity.sign = original_sign
+        _ae_mod.sign_record = original_sign_record
 
 
 # Young-generation threshold during a run: the default (700 allocations) runs a

@@ -305,3 +305,35 @@ def test_progress_is_reported_and_changes_nothing(small_wl, monkeypatch):
         return {k: v for k, v in m.items() if "wall" not in k and "cpu" not in k}
 
     assert simulated(with_progress.metrics) == simulated(simulate(small_wl, cfg).metrics)
+
+
+def test_record_memo_answers_as_the_real_decoder():
+    """Inside ``memoised_record_decoding`` a record the run signed decodes (from the memo)
+    to what the real decoder yields, and altered bytes still fail the real checks."""
+    from prefixmesh.bench.gossip import make_antientropy
+    from prefixmesh.bench.sim import memoised_record_decoding
+    from prefixmesh.overlay.core import antientropy as ae_mod
+    from prefixmesh.overlay.core import digest as dg
+    from prefixmesh.overlay.core.identity import Identity
+
+    real_decode, real_sign = dg.decode_record, Identity.sign
+    ident = Identity.from_seed(bytes(range(32)))
+    with memoised_record_decoding():
+        ae = make_antientropy(ident, b"m" * 32, now=0.0, ttl=900.0, refresh_interval=300.0)
+        ae.local_add_prefix(b"n" * 8, [bytes([i]) * 8 for i in range(1, 6)])
+        signed = [*ae.held_records(ident.peer_id), *ae.restate(1.0)]
+        assert len(signed) >= 2
+        for s in signed:
+            memo_answer = ae_mod.decode_record(s.raw, now=2.0, check_expiry=False)
+            assert memo_answer == real_decode(s.raw, now=2.0, check_expiry=False)
+            assert memo_answer == s
+            forged = s.raw[:-1] + bytes([s.raw[-1] ^ 1])  # the signature's last byte
+            with pytest.raises(dg.BadSignature):
+                ae_mod.decode_record(forged, now=2.0, check_expiry=False)
+            # the verdict memo: True for what the run signed, the real check otherwise
+            message, sig = dg.SIGNATURE_LABEL + dg.encode_body(s.record), s.raw[-64:]
+            assert dg.verify_with_public_key(ident.public_bytes, message, sig)
+            assert not dg.verify_with_public_key(ident.public_bytes, message + b"x", sig)
+    assert ae_mod.decode_record is real_decode
+    assert ae_mod.sign_record is dg.sign_record
+    assert Identity.sign is real_sign
