@@ -613,10 +613,11 @@ class Simulator:
             # a pure function of the prompt: repeated prompts (a third of an MMLU trace)
             # reuse the hashes of the first (each request gets its own list)
             tokens = req.tokens
-            known = self.chains_by_prompt.get(tokens) if type(tokens) is tuple else None
+            keyable = type(tokens) is tuple  # hashable prompts only
+            known = self.chains_by_prompt.get(tokens) if keyable else None
             if known is None:
                 known = chain_hashes(self.ns_key, tokens)
-                if type(tokens) is tuple:
+                if keyable:
                     if len(self.chains_by_prompt) >= CHAINS_KEPT:
                         self.chains_by_prompt.clear()
                     self.chains_by_prompt[tokens] = known
