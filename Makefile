@@ -32,7 +32,10 @@ lint: $(STAMP)
 
 test: $(STAMP) browser natlab
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -ra --durations=25
+	@# two workers: most of the suite waits on node processes, gossip and polls; the few
+	@# tests whose verdict rests on measured speeds run afterwards with the machine to themselves
+	$(BIN)/python -m pytest -ra --durations=25 -n 2 -m "not serial"
+	$(BIN)/python -m pytest -ra --durations=5 -m serial
 
 # headless Chromium for the dashboard's browser test (Debian package; sudo when not root);
 # where it cannot be installed the test is skipped and says why

@@ -9,6 +9,7 @@ import os
 import subprocess
 
 import pytest
+from _model_fixture import default_model_path
 
 from prefixmesh.bench.swarm import (
     CTX_SLACK_TOKENS,
@@ -98,6 +99,7 @@ def test_config_from_cli_flags_and_validation():
 def test_tiny_swarm_run_serves_every_request_and_cleans_up(capfd):
     # n_ctx 256 cuts the MMLU prompts to ~240 tokens (from up to 1,000): the same harness,
     # a quarter of the prefill (what is asserted does not depend on the prompts' length)
+    default_model_path()  # the bench asks for a fetched model; tests may run in any order
     cfg = SwarmBenchConfig(nodes=2, requests=6, policies=("prefixmesh",), max_tokens=2,
                            rate=2.0, n_ctx=256, drain_s=45.0, request_timeout_s=45.0)
     result = run_swarm_bench(cfg)

@@ -240,6 +240,9 @@ def test_peers_json_lists_the_other_nodes(swarm):
             assert p["addrs"] and all(a.startswith("/ip4/127.0.0.1/tcp/") for a in p["addrs"])
 
 
+# the route follows the nodes' measured prefill rates: under another test's load a holder
+# can measure slower than the forward saves, and the entry rightly serves it itself
+@pytest.mark.serial
 def test_shared_prefix_is_served_from_a_cache_through_each_entry_node(swarm):
     questions = ("When are you open on Saturday?",
                  "How much does it cost if I return a book four days late?",

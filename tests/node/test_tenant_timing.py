@@ -200,6 +200,7 @@ def two_nodes(tmp_path_factory):
             n.kill()
 
 
+@pytest.mark.serial  # paired timings of two node processes: alone on the machine
 def test_t2_cannot_time_t1s_cache(two_nodes):
     a, b = two_nodes
     t_begin = time.monotonic()
