@@ -29,7 +29,10 @@ __all__ = ["RAM_TOKEN_OVERHEAD", "Segment", "SegmentTree", "branch_point", "bran
            "ram_entry_bytes"]
 
 RAM_TOKEN_OVERHEAD = 4  # bytes per key token a RAM entry is charged besides its payload
-_RECENT_KEYS = 2  # SegmentTree._key: prompts whose keys are kept (each a prompt's size)
+_RECENT_KEYS = 256  # SegmentTree._key: prompts whose keys are kept (each a prompt's size)
+# Shared by every SegmentTree of the process: a key is a pure function of the (immutable)
+# tuple, so a prompt that reaches several trees (the simulator's nodes) is converted once.
+_recent_keys: dict[int, tuple[tuple, tuple[int, ...]]] = {}
 
 
 def ram_entry_bytes(payload_bytes: int, key_tokens: int) -> int:
@@ -67,22 +70,22 @@ class SegmentTree:
         self._on_evict = on_evict
         self._on_store = on_store
         self.tree = RadixTree(capacity_bytes, on_evict=self._evicted)
-        self._recent_keys: dict[int, tuple[tuple, tuple[int, ...]]] = {}  # see _key
 
     def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
         """The tree's key of ``tokens`` (checked here, once per public call: everything
         below works on keys with the tree's ``*_key`` methods). A caller asks about one
-        prompt several times in a row (its lookup, then its match when it starts), so
-        the keys of the last few tuples are kept: the same tuple object (immutable) has
-        the same key, and converting a long prompt is the costly part."""
+        prompt several times in a row (its lookup, then its match when it starts), and a
+        simulated prompt reaches several nodes' trees, so the keys of the last few tuples
+        are kept, shared by all trees: the same tuple object (immutable) has the same key,
+        and converting a long prompt is the costly part."""
         tuple_in = type(tokens) is tuple
         if tuple_in:
-            known = self._recent_keys.get(id(tokens))
+            known = _recent_keys.get(id(tokens))
             if known is not None and known[0] is tokens:
                 return known[1]
         key = (self.NS_TOKEN, *as_tokens(tokens))
         if tuple_in:
-            recent = self._recent_keys
+            recent = _recent_keys
             if len(recent) >= _RECENT_KEYS:
                 del recent[next(iter(recent))]
             recent[id(tokens)] = (tokens, key)  # holds ``tokens``: its id stays its own
