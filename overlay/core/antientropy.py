@@ -288,6 +288,14 @@ def _check_ns(ns: bytes) -> bytes:
 
 
 def _check_chain(chain: Sequence[bytes]) -> list[bytes]:
+    hashes = list(chain)
+    for h in hashes:  # the usual case: exact bytes of the right size, kept as they are
+        if type(h) is not bytes or len(h) != HASH_BYTES:
+            return _check_chain_items(hashes)
+    return hashes
+
+
+def _check_chain_items(chain: list) -> list[bytes]:
     out = []
     for h in chain:
         if not isinstance(h, bytes | bytearray) or len(h) != HASH_BYTES:
