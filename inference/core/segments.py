@@ -87,7 +87,9 @@ class SegmentTree:
         if tuple_in:
             recent = _recent_keys
             if len(recent) >= _RECENT_KEYS:
-                del recent[next(iter(recent))]
+                # clear, not evict the oldest: the node's engine thread and its event loop
+                # both ask trees, and clear() cannot race another thread's eviction
+                recent.clear()
             recent[id(tokens)] = (tokens, key)  # holds ``tokens``: its id stays its own
         return key
 
