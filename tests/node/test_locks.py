@@ -1,6 +1,6 @@
 """node/locks.py in one process: flock locks are per open file, so a second lock on the
 same key file or cache directory conflicts even here (the real two-process case is in
-tests/node/test_node_lifecycle.py)."""
+tests/node/test_daemon_lifecycle.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The one interface of the two digest exchanges (overlay/digestexchange.py): both variants
 implement it, take their tunables from one ExchangeSettings, and report their counters the
 way Node.stats() names them. (Their network behaviour: test_gossip_limits.py,
-test_partition_node.py, test_overlay_infer.py.)"""
+test_partition_node.py, test_infer.py.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Sources here are frame producers written in the test (what a next hop or the local
 engine would send); forwarding over real libp2p streams is covered by
-tests/overlay/test_overlay_infer.py and the swarm tests."""
+tests/overlay/test_infer.py and the swarm tests."""
 
 from __future__ import annotations
 

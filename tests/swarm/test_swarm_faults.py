@@ -1,6 +1,6 @@
 """Faults with real node processes: a serving node killed mid-stream, a frozen
 (SIGSTOPped) node, and a flapping node (simulated engine). Graceful shutdown of a node with
-a request in flight is tested once, in tests/node/test_node_lifecycle.py."""
+a request in flight is tested once, in tests/node/test_daemon_lifecycle.py."""
 
 from __future__ import annotations
 

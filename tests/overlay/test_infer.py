@@ -382,7 +382,7 @@ def test_per_peer_request_rate_limit(tmp_path):
 
 def test_inbound_subnet_cap_is_wired_from_the_config(tmp_path):
     """[limits] max_inbound_per_subnet reaches the host's InboundSubnetCap (0: none), and
-    the host reclaims a slot from a peer the heartbeat calls down (test_overlay_host.py
+    the host reclaims a slot from a peer the heartbeat calls down (test_host.py
     shows the cap itself on real connections)."""
     def node(n: int) -> Node:
         cfg = load_config(None, {"node.cache_dir": str(tmp_path / f"c{n}"), "node.mdns": False,

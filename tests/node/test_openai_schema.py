@@ -89,7 +89,7 @@ def test_valid_chat_request_fields():
      "stop", "invalid_value"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [""]},
      "stop", "invalid_value"),
-    # logprobs, tools and response_format are supported (tests/node/test_tool_parsing.py);
+    # logprobs, tools and response_format are supported (tests/node/test_openai_tools.py);
     # what remains refused is named
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", "invalid_value"),
