@@ -6,6 +6,15 @@ and false deaths per node-hour.
 
     python -m prefixmesh.bench.membership --nodes 64 --seconds 300 --crash-every 20
     python -m prefixmesh.bench.membership --nodes 1024 --seconds 120 --loss 0.01 --json
+    python -m prefixmesh.bench.membership --nodes 32 --starve-fraction 1 --starve-delay-ms 300
+
+CPU starvation (``--starve-fraction F --starve-delay-ms D``): a fraction F of the nodes
+(chosen at the start) handle each timer and each message after an extra random wait,
+exponential with mean D: what a process that gets a few % of a core sees (32 node
+processes on 2 cores, docs/SCALING.md). Its timers fire late, it reads ACKs late and
+answers late. The shell's lateness (how late a tick runs after the deadline it was due at,
+starvation or a thaw) goes to :meth:`Membership.tick` as the node's shell passes it.
+``--no-lifeguard`` runs the state machine as it was before Lifeguard (the baseline).
 
 Event-driven: a node's ``tick`` runs only at its :meth:`Membership.next_deadline`, so
 the cost is per message, not per node per time step. Bytes are the encoded CBOR messages
@@ -51,6 +60,9 @@ class Config:
     # True: every node starts knowing every other (a mesh long in steady state); False:
     # all start at once knowing only a few seeds (a cold mass start, the worst case)
     converged_start: bool = True
+    lifeguard: bool = True  # False: SWIM before Lifeguard, message for message
+    starve_fraction: float = 0.0  # share of nodes starved of CPU (chosen at the start)
+    starve_delay_s: float = 0.0  # mean extra wait (exponential) before a starved node acts
 
 
 @dataclass
@@ -70,6 +82,10 @@ class Result:
     events: int = 0
     # first time every node held every other as a member (None: never, in the run)
     full_view_s: float | None = None
+    starved: int = 0
+    # the false suspicions about members that were not starved themselves
+    false_suspicions_unstarved_per_node_hour: float = 0.0
+    lhm_mean: float = 0.0  # Lifeguard's local health multiplier, mean over nodes and time
     detect_times: list[float] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
@@ -85,7 +101,8 @@ def _peer_id(i: int) -> bytes:
 def run(cfg: Config) -> Result:
     rng = random.Random(cfg.seed)
     ids = [_peer_id(i) for i in range(cfg.nodes)]
-    members = {p: Membership(p, now=0.0, incarnation=1, rng=random.Random(rng.random()))
+    members = {p: Membership(p, now=0.0, incarnation=1, rng=random.Random(rng.random()),
+                             lifeguard=cfg.lifeguard)
                for p in ids}
     if cfg.converged_start:
         everyone = [u for p in ids for u in members[p].snapshot()[:1]]
@@ -118,10 +135,21 @@ class _Sim:
         self.messages = 0
         self.false_suspect: set[tuple[bytes, int]] = set()  # distinct (peer, incarnation)
         self.false_dead: set[tuple[bytes, int]] = set()
+        self.false_suspect_unstarved: set[tuple[bytes, int]] = set()
         self.crashes = 0
         self.events = 0
+        # starvation draws from their own generator: the network's draws stay those of
+        # an unstarved run with the same seed (as far as the event order allows)
+        self.srng = random.Random(cfg.seed + 7919)
+        k = round(cfg.starve_fraction * cfg.nodes) if cfg.starve_delay_s > 0 else 0
+        self.starved: set[bytes] = set(self.srng.sample(ids, k)) if k else set()
+        self.lhm_sum = 0.0
+        self.lhm_samples = 0
         for p in ids:
-            self._push(members[p].next_deadline(), "tick", p)
+            due = members[p].next_deadline()
+            self._push(due + self._wait(p), "tick", p, due)
+        if cfg.lifeguard:
+            self._push(cfg.warmup_s, "sample", None)
         if cfg.crash_every_s:
             self._push(cfg.warmup_s, "crash", None)
         if cfg.freeze_every_s:
@@ -141,16 +169,31 @@ class _Sim:
             self.events += 1
             getattr(self, "_on_" + kind)(t, node, payload)
 
-    def _on_tick(self, t: float, node: bytes, _payload) -> None:
+    def _wait(self, node: bytes) -> float:
+        """A starved node's extra wait before it runs (0 for the others)."""
+        if node not in self.starved:
+            return 0.0
+        return self.srng.expovariate(1.0 / self.cfg.starve_delay_s)
+
+    def _on_tick(self, t: float, node: bytes, due: float) -> None:
         if node in self.down:
             return
         if node in self.frozen:
-            self._push(self.frozen[node], "tick", node)
+            self._push(self.frozen[node], "tick", node, due)
             return
         m = self.members[node]
-        self._deliver(t, node, m.tick(t))
+        # what the node's shell passes: how late the timer fired after its deadline
+        self._deliver(t, node, m.tick(t, late_by_s=max(0.0, t - due)))
         self._observe(t, node, m)
-        self._push(max(m.next_deadline(), t + 1e-3), "tick", node)
+        due = max(m.next_deadline(), t + 1e-3)
+        self._push(due + self._wait(node), "tick", node, due)
+
+    def _on_sample(self, t: float, _node, _payload) -> None:
+        """Once a simulated second: the mean local health multiplier of the live nodes."""
+        live = [self.members[p].local_health for p in self.ids if p not in self.down]
+        self.lhm_sum += sum(live) / max(len(live), 1)
+        self.lhm_samples += 1
+        self._push(t + 1.0, "sample", None)
 
     def _on_msg(self, t: float, node: bytes, payload) -> None:
         if node in self.down:
@@ -171,7 +214,7 @@ class _Sim:
             if self.rng.random() < self.cfg.loss:
                 continue
             delay = self.rng.uniform(self.cfg.delay_min_s, self.cfg.delay_max_s)
-            self._push(t + delay, "msg", s.to, (sender, s.message))
+            self._push(t + delay + self._wait(s.to), "msg", s.to, (sender, s.message))
 
     def _observe(self, t: float, node: bytes, m: Membership) -> None:
         for ev in m.drain_events():
@@ -179,6 +222,8 @@ class _Sim:
             if ev.state == SUSPECT and not crashed and ev.peer not in self.frozen \
                     and t >= self.cfg.warmup_s:
                 self.false_suspect.add((ev.peer, ev.incarnation))
+                if ev.peer not in self.starved:
+                    self.false_suspect_unstarved.add((ev.peer, ev.incarnation))
             if ev.state == DEAD and not crashed and t >= self.cfg.warmup_s:
                 self.false_dead.add((ev.peer, ev.incarnation))
             if ev.state == DEAD and crashed:
@@ -245,6 +290,10 @@ class _Sim:
             false_suspicions_per_node_hour=len(self.false_suspect) / node_hours,
             false_deaths_per_node_hour=len(self.false_dead) / node_hours,
             wall_s=wall_s, events=self.events, full_view_s=self.full_view_s,
+            starved=len(self.starved),
+            false_suspicions_unstarved_per_node_hour=(
+                len(self.false_suspect_unstarved) / node_hours),
+            lhm_mean=self.lhm_sum / max(self.lhm_samples, 1),
             detect_times=det,
         )
 
@@ -261,6 +310,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--freeze-s", type=float, default=3.0)
     p.add_argument("--cold-start", action="store_true",
                    help="all nodes start at once knowing only a few seeds")
+    p.add_argument("--starve-fraction", type=float, default=0.0,
+                   help="share of nodes starved of CPU (each timer and message waits)")
+    p.add_argument("--starve-delay-ms", type=float, default=0.0,
+                   help="mean of a starved node's extra wait, exponential (ms)")
+    p.add_argument("--no-lifeguard", action="store_true",
+                   help="the state machine without Lifeguard (the baseline)")
     p.add_argument("--json", action="store_true")
 
 
@@ -271,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     cfg = Config(nodes=a.nodes, seconds=a.seconds, seed=a.seed, delay_max_s=a.delay_max,
                  loss=a.loss, crash_every_s=a.crash_every, freeze_every_s=a.freeze_every,
-                 freeze_s=a.freeze_s, converged_start=not a.cold_start)
+                 freeze_s=a.freeze_s, converged_start=not a.cold_start,
+                 lifeguard=not a.no_lifeguard, starve_fraction=a.starve_fraction,
+                 starve_delay_s=a.starve_delay_ms / 1000)
     r = run(cfg)
     if a.json:
         print(json.dumps(r.to_json()))

@@ -172,6 +172,7 @@ class Swim(Liveness):
         out = {f"swim_{k}": v for k, v in self.stats.items()}
         m = self.membership
         out.update(swim_members=len(m) if m else 0, swim_incarnation=self.incarnation,
+                   swim_local_health=m.local_health if m else 0,
                    swim_hints=len(self._vetting), swim_hints_pending=len(self._pending),
                    swim_hints_dropped=self.hints_dropped, swim_forgotten=self.forgotten)
         return out
@@ -195,14 +196,19 @@ class Swim(Liveness):
 
     async def _ticker(self) -> None:
         m = self.membership
+        due: float | None = None  # the deadline the last sleep was for
         while True:
             now = self.clock()
+            # Lifeguard: how late we run after the deadline we slept to (a process starved
+            # of CPU, or frozen, fires its timers late; woken early, we are not late)
+            late = max(0.0, now - due) if due is not None else 0.0
             m.set_addrs(list(self.self_addrs()))
-            self._dispatch(m.tick(now))
+            self._dispatch(m.tick(now, late_by_s=late))
             self._check_links(now)
             self._after_change()
             self._prune_sent_pings(now)
             wait = max(0.01, min(m.next_deadline(), now + mb.PROBE_INTERVAL_S) - self.clock())
+            due = self.clock() + wait
             with trio.move_on_after(wait):
                 await self._wake.wait()
             self._wake = trio.Event()
@@ -501,8 +507,10 @@ class Swim(Liveness):
                 # our direct PING of the target went unanswered so far (module docstring)
                 sent = self._sent_pings.get(s.message.seq)
                 if sent is not None and s.message.seq not in self._awaiting_direct:
-                    self._awaiting_direct[s.message.seq] = (s.message.target,
-                                                            sent[1] + DIRECT_GRACE_S)
+                    # scaled like our probes by our local health: a starved node reads
+                    # ACKs late and must not take its own slowness for a broken link
+                    grace = DIRECT_GRACE_S * (self.membership.local_health + 1)
+                    self._awaiting_direct[s.message.seq] = (s.message.target, sent[1] + grace)
             box = self._outboxes.get(s.to)
             if box is None:
                 if self._nursery is None:
@@ -516,7 +524,7 @@ class Swim(Liveness):
                 self.stats["dropped_outbox"] += 1
 
     def _prune_sent_pings(self, now: float) -> None:
-        horizon = now - 2 * mb.PROBE_INTERVAL_S
+        horizon = now - 2 * self.membership.probe_interval_s()
         for seq, (_, t) in list(self._sent_pings.items()):
             if t < horizon and seq not in self._awaiting_direct:
                 del self._sent_pings[seq]
@@ -546,7 +554,7 @@ class Swim(Liveness):
                 if got is None:
                     return  # idle: close; the next message opens a new stream
                 queued_at, message = got
-                if self.clock() - queued_at > mb.PROBE_INTERVAL_S:
+                if self.clock() - queued_at > self.membership.probe_interval_s():
                     self.stats["dropped_stale"] += 1  # its probe is over
                     continue
                 if peer in self._reopen:  # our link failed: a new stream (and dial if need be)

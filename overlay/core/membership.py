@@ -25,6 +25,33 @@ probes one member per period and spreads what it learns on the probe messages th
   (a forward could not open a stream): the probe's direct part counts as failed, PING-REQs
   go out at once, and no ACK by the end of the period makes the member *suspect*, so the
   mesh learns of a lost peer from the first node that tried it, not a round later.
+* **Lifeguard** (Dadgar, Phillips, Currey: "Lifeguard: Local Health Awareness for More
+  Accurate Failure Detection", 2018; the ideas of HashiCorp memberlist's awareness and
+  suspicion, no code). A node starved of CPU reads ACKs and runs its timers late, so it
+  times out probes of healthy peers and suspects them (32 real processes on 2 cores: 758
+  false suspicions per node-hour, docs/SCALING.md). Three remedies, all pure:
+
+  - *Local health multiplier* (:attr:`Membership.local_health`, 0..``MAX_LHM``): raised
+    when a probe of ours gets no ACK at all (direct or relayed), when we must refute a
+    suspicion about ourselves, and when the shell reports that a tick ran late by more
+    than ``LATE_TICK_FRACTION`` of the current probe timeout (:meth:`Membership.tick`'s
+    ``late_by_s``: the shell knows when it meant to run and when it ran); lowered by a
+    probe period with an answered probe and no late tick. The probe interval and the probe
+    timeout are multiplied by ``local_health + 1``: a slow node probes less often and
+    waits longer instead of accusing others of its own slowness.
+  - *Dynamic suspicion timeout*: a suspicion carries its suspector
+    (:attr:`Update.suspector`); it starts at ``SUSPICION_MAX_MULT`` times the classic
+    timeout and falls logarithmically to it as independent confirmations arrive (other
+    members suspecting the same member at the same incarnation, each counted once), so a
+    lone slow accuser cannot kill anyone before the accused refutes, while a real crash,
+    which every prober sees, is still declared dead in about the old time.
+  - *Buddy system*: a PING to a suspected member carries the suspicion first, so it learns
+    it at once and refutes.
+
+  No NACKs (Lifeguard's third health signal, an indirect probe's helper saying "no answer
+  from the target"): they would be a new message type that nodes before them log as bad,
+  and up to three more messages per failed probe; the shell's timer lateness measures our
+  own slowness directly, which is what missing NACKs were Lifeguard's proxy for.
 * **Dissemination.** State changes are queued and piggybacked on PING/PING-REQ/ACK, at most
   ``MAX_PIGGYBACK`` per message, fewest-sent first and newest first among those, each ``RETRANSMIT_MULT * ceil(log10(N+1))``
   times: O(log N) periods to reach everyone, no extra messages.
@@ -41,7 +68,10 @@ changes are collected as :class:`MemberEvent` values (:meth:`drain_events`). The
 (trio + libp2p streams) and the simulator (``bench/membership.py``) drive this same class.
 
 Wire form (:func:`encode_message` / :func:`decode_message`): one CBOR array
-``[type, seq, incarnation, target, updates]``, updates ``[peer, incarnation, state, addrs]``;
+``[type, seq, incarnation, target, updates]``, updates ``[peer, incarnation, state, addrs]``
+(a SUSPECT claim adds its accuser's 8-byte :func:`accuser_tag` as a fifth element, for
+Lifeguard's confirmations; a node from before Lifeguard drops a message carrying one as
+malformed);
 an ACK the target sends itself may add a sixth element, :class:`AckInfo` ``[queue_depth,
 active, n_ctx, summary_hash, model, model_name]`` (what the node's routing reads about a
 peer; the state machine ignores it, the shell fills and reads it). Decoding is bounded
@@ -50,11 +80,12 @@ peer; the state machine ignores it, the shell fills and reads it). Decoding is b
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cbor2
 
@@ -65,7 +96,9 @@ __all__ = [
     "MAX_PIGGYBACK", "MAX_MEMBERS", "MAX_MESSAGE_BYTES", "Update", "Ping", "PingReq", "Ack",
     "AckInfo", "Sync", "MAX_SYNC_UPDATES",
     "Message", "Send", "MemberEvent", "Membership", "MembershipError", "supersedes",
-    "suspicion_timeout_s", "retransmits", "encode_message", "decode_message",
+    "suspicion_timeout_s", "suspicion_max_timeout_s", "expected_confirmations",
+    "dynamic_suspicion_timeout_s", "accuser_tag", "MAX_LHM", "LATE_TICK_FRACTION", "retransmits",
+    "encode_message", "decode_message",
 ]
 
 ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
@@ -79,6 +112,20 @@ PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 0.5
 INDIRECT_PROBES = 3  # SWIM's k: false-positive odds fall geometrically with it
 SUSPICION_MULT = 4  # memberlist's default: timeout = 4 x log10(N) periods (>= 4 periods)
+# Lifeguard. memberlist's SuspicionMaxTimeoutMult: an unconfirmed suspicion waits 6x the
+# classic timeout (24 s at N=10, 43 s at N=64), long enough for a slow accused to hear of
+# it and refute even when it is slow itself
+SUSPICION_MAX_MULT = 6
+# k: independent suspicions that bring the timeout down to the classic one; a crashed
+# member is probed by ~1 member per period, so 3 arrive within a few periods
+SUSPICION_CONFIRMATIONS = 3
+# an accuser is named by a hash prefix, not its 38-byte id: confirmations only need to
+# tell accusers apart (a collision costs one confirmation), and every suspicion carries one
+ACCUSER_TAG_BYTES = 8
+MAX_LHM = 7  # memberlist's 8 awareness levels (0..7): a starved node probes at most 8x slower
+# a tick later than this share of the (scaled) probe timeout ate half of an ACK's
+# allowance: our own slowness, not the network, would decide the probe
+LATE_TICK_FRACTION = 0.5
 RETRANSMIT_MULT = 4
 MAX_PIGGYBACK = 8  # ~0.5 KB of updates at most per message
 MAX_SYNC_UPDATES = 64  # members in one SYNC (a sample; the rest spread by piggyback)
@@ -108,6 +155,9 @@ class Update:
     incarnation: int
     state: str
     addrs: tuple[str, ...] = ()
+    # a SUSPECT claim's accuser, as its :func:`accuser_tag` (b"": unknown), so that
+    # confirmations count distinct members
+    suspector: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -186,8 +236,37 @@ def supersedes(new: Update, old: Update) -> bool:
     return _STATE_CODES[new.state] > _STATE_CODES[old.state]
 
 
+def accuser_tag(peer: bytes) -> bytes:
+    """How a SUSPECT claim names its accuser (:attr:`Update.suspector`)."""
+    return hashlib.sha256(peer).digest()[:ACCUSER_TAG_BYTES]
+
+
 def suspicion_timeout_s(n_members: int) -> float:
+    """The classic SWIM timeout: Lifeguard's minimum (a suspicion fully confirmed)."""
     return SUSPICION_MULT * max(1.0, math.log10(max(n_members, 1))) * PROBE_INTERVAL_S
+
+
+def suspicion_max_timeout_s(n_members: int) -> float:
+    """Lifeguard's maximum: a suspicion nobody else has confirmed."""
+    return SUSPICION_MAX_MULT * suspicion_timeout_s(n_members)
+
+
+def expected_confirmations(n_members: int) -> int:
+    """k, or 0 (no wait for confirmations) in a mesh too small to give k: the members
+    other than the accused and the accuser (memberlist's rule)."""
+    return SUSPICION_CONFIRMATIONS if n_members - 2 >= SUSPICION_CONFIRMATIONS else 0
+
+
+def dynamic_suspicion_timeout_s(n_members: int, confirmations: int) -> float:
+    """Lifeguard's suspicion timeout after ``confirmations`` independent confirmations:
+    the maximum with none, falling logarithmically to the minimum at k (and below)."""
+    lo = suspicion_timeout_s(n_members)
+    k = expected_confirmations(n_members)
+    if k < 1:
+        return lo
+    hi = SUSPICION_MAX_MULT * lo
+    frac = math.log(max(confirmations, 0) + 1) / math.log(k + 1)
+    return max(lo, hi - frac * (hi - lo))
 
 
 def retransmits(n_members: int) -> int:
@@ -205,23 +284,42 @@ class _Probe:
     target: bytes
     seq: int
     started: float
+    timeout_at: float  # no ACK by then: PING-REQs (the scaled probe timeout)
+    ends_at: float  # no ACK by then: SUSPECT (the scaled probe period)
     acked: bool = False
     indirect_sent: bool = False
 
 
+@dataclass
+class _Suspicion:
+    started: float  # when the member entered SUSPECT at our end
+    # who accused it at this incarnation: the first (who does not count) and then each
+    # distinct confirmation, at most k of them (b"": an accuser we do not know)
+    accusers: set[bytes]
+
+    @property
+    def confirmations(self) -> int:
+        return len(self.accusers) - 1
+
+
 class Membership:
-    """One node's SWIM state machine (see the module docstring)."""
+    """One node's SWIM state machine (see the module docstring). ``lifeguard=False`` is
+    SWIM as it was before Lifeguard, message for message: the simulator's baseline."""
 
     def __init__(self, self_id: bytes, *, now: float, incarnation: int, rng: random.Random,
-                 addrs: Sequence[str] = ()):
+                 addrs: Sequence[str] = (), lifeguard: bool = True):
         self.self_id = self_id
+        self.lifeguard = lifeguard
+        self._tag = accuser_tag(self_id) if lifeguard else b""  # our name as an accuser
+        self._lhm = 0  # Lifeguard's local health multiplier, 0..MAX_LHM
+        self._late = False  # a tick of this probe period ran late (LHM raised for it)
         self.incarnation = int(incarnation)
         self.addrs = tuple(addrs)[:MAX_ADDRS]
         self._rng = rng
         self._members: dict[bytes, _Member] = {}
         self._ids: list[bytes] = []  # the members' ids, for O(1) random choice
         self._index: dict[bytes, int] = {}
-        self._suspects: dict[bytes, float] = {}  # peer -> suspected since
+        self._suspects: dict[bytes, _Suspicion] = {}
         self._dead: deque[tuple[float, bytes]] = deque()  # (declared dead at, peer)
         # dissemination queue: bucket k holds the updates sent k times (fewest-sent first)
         self._buckets: list[dict[bytes, Update]] = [{}]
@@ -262,17 +360,35 @@ class Membership:
         out, self._events = self._events, []
         return out
 
+    @property
+    def local_health(self) -> int:
+        """Lifeguard's local health multiplier: 0 healthy, up to :data:`MAX_LHM`."""
+        return self._lhm
+
+    def probe_interval_s(self) -> float:
+        """The probe period, scaled by our local health."""
+        return PROBE_INTERVAL_S * (self._lhm + 1)
+
+    def probe_timeout_s(self) -> float:
+        """How long a probe waits for a direct ACK, scaled by our local health."""
+        return PROBE_TIMEOUT_S * (self._lhm + 1)
+
+    def suspicion_deadline(self, peer: bytes) -> float | None:
+        """When the suspicion about ``peer`` expires as things stand (None: no suspicion)."""
+        s = self._suspects.get(peer)
+        return None if s is None else s.started + self._suspicion_timeout(s)
+
     def next_deadline(self) -> float:
         """The earliest ``now`` at which :meth:`tick` has something to do."""
         times = [self._next_probe_at]
         p = self._probe
         if p is not None and not p.acked and not p.indirect_sent:
-            times.append(p.started + PROBE_TIMEOUT_S)
+            times.append(p.timeout_at)
         if self._suspects:
-            timeout = suspicion_timeout_s(len(self._members) + 1)
-            times.append(min(self._suspects.values()) + timeout)
+            times.append(min(s.started + self._suspicion_timeout(s)
+                             for s in self._suspects.values()))
         if self._checks:
-            times.append(min(c.started for c in self._checks.values()) + PROBE_INTERVAL_S)
+            times.append(min(c.ends_at for c in self._checks.values()))
         return min(times)
 
     # --- inputs -------------------------------------------------------------------------
@@ -314,7 +430,7 @@ class Membership:
         if m is None or m.update.state == DEAD:
             return None
         self._seq += 1
-        return self._send(peer, Ping(self._seq, self.incarnation, self._piggyback()))
+        return self._send(peer, Ping(self._seq, self.incarnation, self._piggyback_to(peer)))
 
     def probe_failed(self, peer: bytes, now: float) -> list[Send]:
         """A direct contact of ours with ``peer`` failed outside the protocol (a forward
@@ -326,9 +442,9 @@ class Membership:
         if m is None or m.update.state == DEAD or peer in self._checks:
             return []
         self._seq += 1
-        check = _Probe(peer, self._seq, now)
+        check = _Probe(peer, self._seq, now, now, now + self.probe_interval_s())
         self._checks[peer] = check
-        direct = self._send(peer, Ping(check.seq, self.incarnation, self._piggyback()))
+        direct = self._send(peer, Ping(check.seq, self.incarnation, self._piggyback_to(peer)))
         return [direct, *self._indirect_probes(check)]
 
     def learn(self, update: Update, now: float, *, gossip: bool = True) -> None:
@@ -343,19 +459,26 @@ class Membership:
             # not gossiped: every member spreads its own ALIVE, with its real incarnation
             self._apply(Update(peer, 0, ALIVE, tuple(addrs)[:MAX_ADDRS]), now, gossip=False)
 
-    def tick(self, now: float) -> list[Send]:
+    def tick(self, now: float, *, late_by_s: float = 0.0) -> list[Send]:
+        """Do what is due at ``now``. ``late_by_s``: how late this call runs after the
+        deadline the shell meant to run it at (its timer fired late: a starved process, a
+        frozen one thawing); later than :data:`LATE_TICK_FRACTION` of the probe timeout
+        raises the local health multiplier, once per probe period."""
+        if (self.lifeguard and not self._late
+                and late_by_s > LATE_TICK_FRACTION * self.probe_timeout_s()):
+            self._late = True
+            self._health(+1)
         out: list[Send] = []
         self._expire_suspects(now)
         self._forget_dead(now)
         self._end_checks(now)
         p = self._probe
-        if (p is not None and not p.acked and not p.indirect_sent
-                and now >= p.started + PROBE_TIMEOUT_S):
+        if p is not None and not p.acked and not p.indirect_sent and now >= p.timeout_at:
             out.extend(self._indirect_probes(p))
         if now >= self._next_probe_at:
             self._end_probe(now)
             out.extend(self._start_probe(now))
-            self._next_probe_at = now + PROBE_INTERVAL_S
+            self._next_probe_at = now + self.probe_interval_s()
         return out
 
     def receive(self, sender: bytes, message: Message, now: float) -> list[Send]:
@@ -394,7 +517,7 @@ class Membership:
             self._seq += 1
             self._relays[self._seq] = (sender, message.seq, now)
             return [self._send(message.target, Ping(self._seq, self.incarnation,
-                                                    self._piggyback()))]
+                                                    self._piggyback_to(message.target)))]
         return self._on_ack(sender, message, now)
 
     def _sync_for(self, peer: bytes) -> Send:
@@ -422,8 +545,10 @@ class Membership:
             self._probe = None
             return []
         self._seq += 1
-        self._probe = _Probe(target, self._seq, now)
-        return [self._send(target, Ping(self._seq, self.incarnation, self._piggyback()))]
+        self._probe = _Probe(target, self._seq, now, now + self.probe_timeout_s(),
+                             now + self.probe_interval_s())
+        return [self._send(target, Ping(self._seq, self.incarnation,
+                                        self._piggyback_to(target)))]
 
     def _next_target(self) -> bytes | None:
         while True:
@@ -451,20 +576,38 @@ class Membership:
 
     def _end_checks(self, now: float) -> None:
         for peer, check in list(self._checks.items()):
-            if now >= check.started + PROBE_INTERVAL_S:
+            if now >= check.ends_at:
                 del self._checks[peer]
                 self._suspect_unless_acked(check, now)
 
     def _end_probe(self, now: float) -> None:
-        self._suspect_unless_acked(self._probe, now)
+        """The probe period is over: our local health learns from it (Lifeguard: no ACK
+        at all, +1; an answered probe in a period without a late tick, -1), then the
+        target is suspected unless it answered."""
+        p = self._probe
+        if p is not None and not p.acked:
+            self._health(+1)
+        elif not self._late:
+            self._health(-1)
+        self._late = False
+        self._suspect_unless_acked(p, now)
+
+    def _health(self, delta: int) -> None:
+        if self.lifeguard:
+            self._lhm = min(MAX_LHM, max(0, self._lhm + delta))
 
     def _suspect_unless_acked(self, p: _Probe | None, now: float) -> None:
         if p is None or p.acked:
             return
         m = self._members.get(p.target)
-        if m is not None and m.update.state == ALIVE:
-            u = m.update
-            self._apply(Update(u.peer, u.incarnation, SUSPECT, u.addrs), now)
+        if m is None or m.update.state == DEAD:
+            return
+        u = m.update
+        claim = Update(u.peer, u.incarnation, SUSPECT, u.addrs, self._tag)
+        if u.state == ALIVE:
+            self._apply(claim, now)
+        else:  # already suspected by others: ours is an independent confirmation
+            self._confirm(claim, gossip=True)
 
     def _on_ack(self, sender: bytes, ack: Ack, now: float) -> list[Send]:
         relay = self._relays.pop(ack.seq, None)
@@ -496,13 +639,18 @@ class Membership:
             if u.state != ALIVE and u.incarnation >= self.incarnation:
                 self.incarnation = min(u.incarnation + 1, _MAX_INCARNATION)  # refute
                 self._enqueue(self._self_update())
+                self._health(+1)  # accused: we may be the slow one (Lifeguard)
             return
         m = self._members.get(u.peer)
         if m is not None:
+            if (u.state == SUSPECT and m.update.state == SUSPECT
+                    and u.incarnation == m.update.incarnation):
+                self._confirm(u, gossip=gossip)
+                return
             if not supersedes(u, m.update):
                 return
             if not u.addrs and m.update.addrs:
-                u = Update(u.peer, u.incarnation, u.state, m.update.addrs)
+                u = replace(u, addrs=m.update.addrs)
         elif u.state == DEAD or not self._room_for_one(now):
             return  # nothing to forget about a stranger; a full table keeps what it has
         else:
@@ -513,7 +661,7 @@ class Membership:
         self._members[u.peer] = _Member(u, since)
         self._suspects.pop(u.peer, None)
         if u.state == SUSPECT:
-            self._suspects[u.peer] = since
+            self._suspects[u.peer] = _Suspicion(since, {u.suspector})
         elif u.state == DEAD and changed:
             self._dead.append((now, u.peer))
         if gossip:
@@ -540,10 +688,27 @@ class Membership:
         self._forget_dead(now + DEAD_RETAIN_S)  # a full table forgets its dead early
         return len(self._members) < MAX_MEMBERS
 
+    def _confirm(self, u: Update, *, gossip: bool) -> None:
+        """Another accuser of a member we hold SUSPECT at ``u``'s incarnation: one more
+        confirmation (Lifeguard) if it is a member we have not counted yet, spread on (news
+        to those who have not heard this accuser); at most k are counted."""
+        s = self._suspects.get(u.peer)
+        if (not self.lifeguard or s is None or not u.suspector or u.suspector in s.accusers
+                or s.confirmations >= expected_confirmations(len(self._members) + 1)):
+            return
+        s.accusers.add(u.suspector)
+        if gossip:
+            self._enqueue(u)
+
+    def _suspicion_timeout(self, s: _Suspicion) -> float:
+        n = len(self._members) + 1
+        if not self.lifeguard:
+            return suspicion_timeout_s(n)
+        return dynamic_suspicion_timeout_s(n, s.confirmations)
+
     def _expire_suspects(self, now: float) -> None:
-        timeout = suspicion_timeout_s(len(self._members) + 1)
-        for peer, since in list(self._suspects.items()):
-            if now >= since + timeout:
+        for peer, s in list(self._suspects.items()):
+            if now >= s.started + self._suspicion_timeout(s):
                 u = self._members[peer].update
                 self._apply(Update(u.peer, u.incarnation, DEAD, u.addrs), now)
 
@@ -553,8 +718,10 @@ class Membership:
             m = self._members.get(peer)
             if m is not None and m.update.state == DEAD and m.since == t:
                 self._remove(peer)
+        # a relay lives as long as the slowest asker's probe may (Lifeguard scales it)
+        keep = (MAX_LHM + 1) * PROBE_INTERVAL_S if self.lifeguard else PROBE_INTERVAL_S
         for seq, (_, _, t) in list(self._relays.items()):
-            if now >= t + PROBE_INTERVAL_S:
+            if now >= t + keep:
                 del self._relays[seq]
 
     # --- dissemination ------------------------------------------------------------------
@@ -568,6 +735,11 @@ class Membership:
         k = self._bucket_of.pop(peer, None)
         if k is not None:
             del self._buckets[k][peer]
+
+    def _piggyback_to(self, target: bytes) -> tuple[Update, ...]:
+        """A PING's piggyback: Lifeguard's buddy system puts a claim about the target
+        itself first, so a suspected member learns it from whoever probes it."""
+        return self._piggyback(prefer=target if self.lifeguard else None)
 
     def _piggyback(self, prefer: bytes | None = None) -> tuple[Update, ...]:
         """Up to MAX_PIGGYBACK queued updates, fewest-sent first; a claim about the
@@ -607,7 +779,10 @@ class Membership:
 
 
 def _update_obj(u: Update) -> list:
-    return [u.peer, u.incarnation, _STATE_CODES[u.state], list(u.addrs)]
+    obj = [u.peer, u.incarnation, _STATE_CODES[u.state], list(u.addrs)]
+    if u.state == SUSPECT and u.suspector:
+        obj.append(u.suspector)
+    return obj
 
 
 def encode_message(message: Message) -> bytes:
@@ -652,8 +827,9 @@ def _peer(x: object, what: str, *, empty_ok: bool = False) -> bytes:
 
 
 def _decode_update(obj: object) -> Update:
-    if not isinstance(obj, list) or len(obj) != 4:
-        raise MembershipError("an update must be [peer, incarnation, state, addrs]")
+    if not isinstance(obj, list) or len(obj) not in (4, 5):
+        raise MembershipError("an update must be [peer, incarnation, state, addrs"
+                              "(, suspector)]")
     peer = _peer(obj[0], "update peer")
     inc = _int(obj[1], "update incarnation")
     state = _STATE_NAMES.get(obj[2]) if type(obj[2]) is int else None
@@ -663,6 +839,13 @@ def _decode_update(obj: object) -> Update:
     if (not isinstance(addrs, list) or len(addrs) > MAX_ADDRS
             or not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDR_CHARS for a in addrs)):
         raise MembershipError(f"update addrs must be at most {MAX_ADDRS} short strings")
+    if len(obj) == 5:
+        if state != SUSPECT:
+            raise MembershipError("only a SUSPECT claim names its suspector")
+        tag = obj[4]
+        if not isinstance(tag, bytes) or len(tag) != ACCUSER_TAG_BYTES:
+            raise MembershipError(f"a suspector is a {ACCUSER_TAG_BYTES}-byte tag")
+        return Update(peer, inc, state, tuple(addrs), tag)
     return Update(peer, inc, state, tuple(addrs))
 
 
