@@ -262,7 +262,7 @@ def dynamic_suspicion_timeout_s(n_members: int, confirmations: int) -> float:
     the maximum with none, falling logarithmically to the minimum at k (and below)."""
     lo = suspicion_timeout_s(n_members)
     k = expected_confirmations(n_members)
-    if k < 1:
+    if confirmations >= k:  # (k = 0 included: a mesh too small to wait for any)
         return lo
     hi = SUSPICION_MAX_MULT * lo
     frac = math.log(max(confirmations, 0) + 1) / math.log(k + 1)
