@@ -30,7 +30,7 @@ def node_addr(tmp_path_factory):
     config.write_text(f'[node]\nkey_file = "{work / "node.key"}"\ncache_dir = "{work / "kv"}"\n'
                       'mdns = false\nlog_level = "warning"\n')
     # a node started from its config file, with the simulated engine of the test entry point
-    args = [PYTHON, str(Path(__file__).parents[1] / "_fault_node.py"), "--config", str(config),
+    args = [PYTHON, str(Path(__file__).parent / "_fault_node.py"), "--config", str(config),
             "--no-dht", "--backend", "sim", "--sim-decode-tps", "40"]
     # forked from the fork server where it can be (the same main, ~2 s of imports saved)
     env = dict(os.environ, **_forkserver.NODE_STARTUP_ENV)

@@ -16,7 +16,7 @@ from prefixmesh.cli import CliError, _component, main
 from prefixmesh.node.config import load_config
 from prefixmesh.overlay.keyfile import load_identity
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = [["keygen"], ["node"], ["chat"], ["ask"], ["peers"], ["demo"], ["model"],
                ["model", "fetch"], ["bench"]]
 
