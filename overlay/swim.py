@@ -172,7 +172,7 @@ class Swim(Liveness):
         out = {f"swim_{k}": v for k, v in self.stats.items()}
         m = self.membership
         out.update(swim_members=len(m) if m else 0, swim_incarnation=self.incarnation,
-                   swim_local_health=m.local_health if m else 0,
+                   swim_local_health=m.local_health if m is not None else 0,
                    swim_hints=len(self._vetting), swim_hints_pending=len(self._pending),
                    swim_hints_dropped=self.hints_dropped, swim_forgotten=self.forgotten)
         return out
