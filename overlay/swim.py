@@ -22,7 +22,8 @@ holds it ALIVE and our own link to it is good: its latest answer to a direct PIN
 came after our latest failure with it. Failures: a forward that could not open a stream
 (:meth:`Swim.mark_down`, which also counts as a failed direct probe in the state machine:
 PING-REQs at once, SUSPECT by the end of the period unless someone reaches it), a probe of
-ours it answered only through others (no direct ACK within :data:`DIRECT_GRACE_S`), a
+ours it answered only through others (no direct ACK within :data:`DIRECT_GRACE_S` times
+our local health multiplier plus one), a
 message we could not send it, no connection left to it. A member that is not up for us is
 PINGed directly (re-dialled with its newest addresses, the ones it spread itself first)
 each period or with backoff, until it answers. Flap rule: a SUSPECT that answers such a
@@ -31,6 +32,12 @@ freezes and thaws is used while it runs. A SUSPECT that has not answered us sinc
 suspected is not up (routing stops choosing it, in-flight forwards to it are abandoned);
 a DEAD one is down. Gossip alone never makes a peer up: it makes it a member we then
 PING.
+
+Lifeguard (docs/SCALING.md). The ticker tells the state machine how late it woke after
+the deadline it slept to (``Membership.tick(now, late_by_s=...)``): a starved or blocked
+event loop, or a thaw after SIGSTOP, raises the node's local health multiplier, which
+stretches its own probe interval and timeouts instead of letting it accuse healthy peers
+of its own slowness; stale-message drops and the direct-ACK grace scale with it.
 
 Figures per peer. RTT: EWMA of our own PINGs' ACK times. Load, context length, model and
 digest summary hash: on the ACKs a member sends about itself

@@ -39,8 +39,8 @@ probes one member per period and spreads what it learns on the probe messages th
     probe period with an answered probe and no late tick. The probe interval and the probe
     timeout are multiplied by ``local_health + 1``: a slow node probes less often and
     waits longer instead of accusing others of its own slowness.
-  - *Dynamic suspicion timeout*: a suspicion carries its suspector
-    (:attr:`Update.suspector`); it starts at ``SUSPICION_MAX_MULT`` times the classic
+  - *Dynamic suspicion timeout*: a suspicion names its accuser
+    (:attr:`Update.suspector`, an 8-byte tag); it starts at ``SUSPICION_MAX_MULT`` times the classic
     timeout and falls logarithmically to it as independent confirmations arrive (other
     members suspecting the same member at the same incarnation, each counted once), so a
     lone slow accuser cannot kill anyone before the accused refutes, while a real crash,
