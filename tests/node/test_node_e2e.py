@@ -111,11 +111,23 @@ def poll(predicate, what: str, timeout_s: float = PROPAGATION_TIMEOUT_S):
 
 def wait_until_known(entry: Node, holder_b58: str, min_hashes: int) -> None:
     """Poll the entry's peers view until it knows ``holder`` caches >= min_hashes blocks
-    (the entry itself needs no digest of its own cache)."""
+    and has heard that it is idle (the entry itself needs no digest of its own cache).
+    Idle too: a load figure from a probe answered while the holder was still serving the
+    previous request (fresh for 5 s) prices a queue wait of a whole request on top of it,
+    and under CPU load that made the entry serve locally: a correct decision on stale
+    metadata, not what these routing tests check."""
     if entry.peer_b58 == holder_b58:
         return
-    poll(lambda: hashes_seen(entry.addr).get(holder_b58, 0) >= min_hashes,
-         f"{entry.name} to learn that {holder_b58[-8:]} caches >= {min_hashes} blocks")
+
+    def known_and_idle() -> tuple[int, int, int] | None:
+        p = peers_view(entry.addr).get(holder_b58)
+        if p is None:
+            return None
+        return (p.n_hashes, p.queue_depth, p.active) if (
+            p.n_hashes >= min_hashes and p.queue_depth == 0 and p.active == 0) else None
+
+    poll(known_and_idle,
+         f"{entry.name} to learn that {holder_b58[-8:]} caches >= {min_hashes} blocks and is idle")
 
 
 class Node:
