@@ -209,9 +209,9 @@ def bench_digest_bytes(n: int, prefixes: int, seconds: float, interval: float, f
             async with trio.open_nursery() as nursery:
                 nodes = await _swarm(nursery, n, Path(d), interval, fanout)
                 for nd in nodes:
-                    nd.gossip.summary_hash_check = summary_hash
+                    nd.exchange.summary_hash_check = summary_hash
                     if not pong_hash:
-                        nd.gossip.peer_hash = None
+                        nd.exchange.peer_hash = None
                 rng = random.Random(1)
                 shared = [rng.randrange(50_000) for _ in range(32)]
                 for node in nodes:
@@ -232,15 +232,15 @@ def bench_digest_bytes(n: int, prefixes: int, seconds: float, interval: float, f
                     await trio.sleep(0.2)
                 sync_s = time.monotonic() - t0
                 await trio.sleep(2 * interval)
-                before = [dict(nd.gossip.stats) for nd in nodes]
+                before = [dict(nd.exchange.stats) for nd in nodes]
                 wire0 = _WIRE_BYTES[0]
                 await trio.sleep(seconds)
                 wire1 = _WIRE_BYTES[0]
-                after = [dict(nd.gossip.stats) for nd in nodes]
+                after = [dict(nd.exchange.stats) for nd in nodes]
                 # the same window length with no digest exchanges: heartbeats and libp2p
                 # housekeeping only; the difference is the digest protocol on the wire
                 for nd in nodes:
-                    nd.gossip.fanout = 0
+                    nd.exchange.fanout = 0
                 await trio.sleep(2 * interval)
                 wire2 = _WIRE_BYTES[0]
                 await trio.sleep(seconds)
@@ -295,7 +295,7 @@ def bench_digest_load(n: int, rate: float, seconds: float, partitions: int,
                 rng = random.Random(seed)
                 subjects = [[rng.randrange(50_000) for _ in range(600)] for _ in range(57)]
                 weights = [1.0 / (k + 1) for k in range(57)]
-                digest = [nd.pgossip if partitions else nd.gossip for nd in nodes]
+                digest = [nd.exchange for nd in nodes]  # Gossip, or PartitionGossip with partitions
 
                 async def load(stop_at: float) -> int:
                     inserted = 0
@@ -361,21 +361,21 @@ def bench_convergence(n: int, trials: int, interval: float, fanout: int) -> dict
                     tokens = [rng.randrange(50_000) for _ in range(64)]
                     chain = chain_hashes(key, tokens)
                     issued: list[float] = []
-                    hook = origin.gossip.before_tick
+                    hook = origin.exchange.before_tick
 
                     def before_tick(now, hook=hook, issued=issued):
                         hook(now)
                         if not issued:  # this tick turns the new prefix into a record
                             issued.append(time.monotonic())
 
-                    origin.gossip.before_tick = before_tick
+                    origin.exchange.before_tick = before_tick
                     origin.backend.insert_prefix(ns, tokens)
                     t0 = time.monotonic()
                     while not all(_knows(o, origin, ns, chain) for o in nodes if o is not origin):
                         await trio.sleep(0.005)
                         if time.monotonic() - t0 > 30:
                             raise RuntimeError("a prefix did not spread in 30 s")
-                    origin.gossip.before_tick = hook
+                    origin.exchange.before_tick = hook
                     spread = time.monotonic() - issued[0]
                     # rounds: digest intervals from the record's issue until all know it
                     rounds.append(math.ceil(spread / interval))
