@@ -736,6 +736,9 @@ class Node:
             out.update({f"relay_{k}": v for k, v in self.nat.relay.stats().items()})
         if self.nat.keeper is not None:
             out["relays_reserved"] = len(self.nat.keeper.reserved_relays())
+        if self.dht is not None:  # DHT upkeep: announces and lookups done, peers found
+            out.update(dht_announces=self.dht.announces, dht_finds=self.dht.finds,
+                       dht_found=self.dht.found)
         trust = self.infer.trust
         if trust is not None:  # observed peers' trust, per mille (overlay/core/trust.py)
             mono = time.monotonic()

@@ -388,6 +388,14 @@ def mesh_key() -> str:
 
 #: providers taken from each key per round (own model, then the mesh key)
 MAX_PROVIDERS_PER_KEY = 32
+#: how often a node announces itself again when nothing changed. DHT records live 24 h
+#: (values) and 48 h (provider records) in py-libp2p; an announce is a lookup plus a
+#: stream to each of the k = 20 closest peers, and announcing every 10 s made DHT upkeep
+#: the largest idle cost of a node (5-7 % of a core per node at N=16, growing with N)
+REANNOUNCE_S = 1800.0
+#: provider lookups back off to this interval while they find nobody new (membership
+#: spreads the mesh's members too: the DHT is for joining and for healing a split)
+MAX_FIND_INTERVAL_S = 120.0
 
 
 def encode_dht_record(identity, addrs: Sequence[str], issued_at: float) -> bytes:
@@ -479,12 +487,15 @@ class DhtDiscovery:
     """Kademlia DHT in server mode: announce as a provider of the model key and of the
     mesh key, find others.
 
-    Every ``interval_s`` (first rounds faster): add connected peers to the routing table,
-    re-announce (provider records + our signed address record under
-    ``/prefixmesh/<our b58 id>``), then ``find_providers`` of our model's key, then of the
-    mesh key (at most :data:`MAX_PROVIDERS_PER_KEY` each); providers without addresses
-    are resolved through their signed record (or ``find_peer``). Found peers are learned
-    with source ``"dht"``. Every DHT call runs under ``op_timeout_s``.
+    Every ``interval_s`` (first rounds faster): add connected peers to the routing table;
+    announce (provider records + our signed address record under
+    ``/prefixmesh/<our b58 id>``) when due (:meth:`_announce_due`: first round, new
+    addresses, a routing table twice as large as at the last announce, or
+    :data:`REANNOUNCE_S` since); ``find_providers`` of our model's key, then of the mesh key
+    (at most :data:`MAX_PROVIDERS_PER_KEY` each) every round while that finds someone new,
+    backing off to :data:`MAX_FIND_INTERVAL_S` while it finds nobody; providers without
+    addresses are resolved through their signed record (or ``find_peer``). Found peers are
+    learned with source ``"dht"``. Every DHT call runs under ``op_timeout_s``.
     """
 
     def __init__(
@@ -507,6 +518,12 @@ class DhtDiscovery:
         self.dht = None
         self.found = 0
         self.rounds = 0
+        self.announces = 0
+        self.finds = 0
+        # (when, routing table size, addresses) of the last announce; None: never
+        self._announced: tuple[float, int, tuple[str, ...]] | None = None
+        self._next_find = 0.0
+        self._find_interval = interval_s
 
     async def run(self) -> None:
         """Runs until cancelled; a DHT failure only disables DHT discovery (logged)."""
@@ -538,24 +555,53 @@ class DhtDiscovery:
         for peer in self.connected():
             with trio.move_on_after(self.op_timeout_s):
                 await dht.add_peer(ID(peer))
-        if dht.get_routing_table_size() == 0:
+        table = dht.get_routing_table_size()
+        if table == 0:
             return
+        now = trio.current_time()
+        addrs = tuple(sorted(self.host.listen_addrs()))
+        if self._announce_due(now, table, addrs):
+            await self._announce(addrs)
+            self._announced = (now, table, addrs)
+            self.announces += 1
+        if now >= self._next_find:
+            self.finds += 1
+            if await self._find():
+                self._find_interval = self.interval_s
+                self._next_find = now  # more may be coming in: look again next round
+            else:
+                self._next_find = now + self._find_interval
+                self._find_interval = min(self._find_interval * 2, MAX_FIND_INTERVAL_S)
+
+    def _announce_due(self, now: float, table: int, addrs: tuple[str, ...]) -> bool:
+        """Whether to announce again: never announced, our addresses changed (a relay
+        reservation, a mapped port), the routing table doubled (peers closer to the keys
+        than those holding our records may have joined), or :data:`REANNOUNCE_S` passed."""
+        if self._announced is None:
+            return True
+        when, at_table, at_addrs = self._announced
+        return addrs != at_addrs or table >= 2 * at_table or now - when >= REANNOUNCE_S
+
+    async def _announce(self, addrs: Sequence[str]) -> None:
+        dht = self.dht
         me = self.host.identity.peer_id_b58
         for key in self.keys:
             with trio.move_on_after(self.op_timeout_s):
                 await dht.provide(key)
         with trio.move_on_after(self.op_timeout_s):
-            await dht.put_value(
-                f"/{DHT_NAMESPACE}/{me}",
-                encode_dht_record(self.host.identity, self.host.listen_addrs(), time.time()),
-            )
+            await dht.put_value(f"/{DHT_NAMESPACE}/{me}",
+                                encode_dht_record(self.host.identity, list(addrs), time.time()))
+
+    async def _find(self) -> int:
+        """Looks up the providers of our keys; returns how many peers were new to us."""
         providers, seen = [], set()
         for key in self.keys:
             with trio.move_on_after(self.op_timeout_s):
-                for info in await dht.find_providers(key, MAX_PROVIDERS_PER_KEY):
+                for info in await self.dht.find_providers(key, MAX_PROVIDERS_PER_KEY):
                     if info.peer_id not in seen:
                         seen.add(info.peer_id)
                         providers.append(info)
+        new = 0
         for info in providers:
             peer = info.peer_id.to_bytes()
             if peer == self.host.peer_id:
@@ -565,8 +611,8 @@ class DhtDiscovery:
                 addrs = await self._resolve(peer)
             if addrs and self.directory.learn(peer, addrs, "dht"):
                 self.found += 1
-            elif addrs:
-                self.directory.learn(peer, addrs, "dht")
+                new += 1
+        return new
 
     async def _resolve(self, peer: bytes) -> list[str]:
         from libp2p.peer.id import ID

@@ -74,3 +74,107 @@ def test_records_from_the_future_or_non_finite_are_refused():
     inf = encode_dht_record(me, ["/ip4/6.6.6.6/tcp/6"], float("inf"))
     later = encode_dht_record(me, ["/ip4/127.0.0.1/tcp/2"], time.time())
     assert PrefixmeshValidator().select(key, [inf, later]) == 1
+
+
+# --- DHT upkeep: announce when something changed, look up less while nothing is new ------
+
+
+class _Dht:
+    """Stands in for py-libp2p's KadDHT: counts the calls the upkeep makes and answers
+    lookups with the providers a test puts in."""
+
+    def __init__(self):
+        self.table = 1
+        self.provides = self.puts = self.lookups = 0
+        self.providers: list = []
+
+    async def add_peer(self, _peer):
+        pass
+
+    def get_routing_table_size(self):
+        return self.table
+
+    async def provide(self, _key):
+        self.provides += 1
+
+    async def put_value(self, _key, _value):
+        self.puts += 1
+
+    async def find_providers(self, _key, _count):
+        self.lookups += 1
+        return list(self.providers)
+
+
+class _Host:
+    def __init__(self):
+        self.identity = Identity.generate()
+        self.peer_id = self.identity.peer_id
+        self.addrs = ["/ip4/127.0.0.1/tcp/4001"]
+
+    def listen_addrs(self):
+        return list(self.addrs)
+
+
+class _Directory:
+    def __init__(self):
+        self.known: set[bytes] = set()
+
+    def learn(self, peer, addrs, source):
+        new = peer not in self.known
+        self.known.add(peer)
+        return new
+
+
+class _Info:
+    def __init__(self, peer: bytes):
+        from libp2p.peer.id import ID
+
+        self.peer_id = ID(peer)
+        self.addrs = ["/ip4/127.0.0.1/tcp/4002"]
+
+
+def test_dht_upkeep_announces_on_change_and_backs_off_lookups():
+    import trio
+
+    from prefixmesh.overlay import discovery as disc
+
+    async def main():
+        host, dht, directory = _Host(), _Dht(), _Directory()
+        d = disc.DhtDiscovery(host, directory, b"\x01" * 32, interval_s=10.0,
+                              connected=lambda: [])
+        d.dht = dht
+        clock = trio.lowlevel.current_clock()
+
+        async def round_at(t: float) -> None:
+            clock.jump(t - trio.current_time())
+            await d._round(None)
+
+        await round_at(0.0)  # first round: announce (2 keys + the address record), look up
+        assert (dht.provides, dht.puts, d.announces, dht.lookups) == (2, 1, 1, 2)
+        for t in range(10, 401, 10):  # a round every 10 s
+            await round_at(float(t))
+        # nothing changed: no announce; lookups found nobody new, so they back off: at 0,
+        # 10, 30, 70, 150, 270 and 390 s (10 -> 20 -> 40 -> 80 -> 120 -> 120 s apart)
+        assert d.announces == 1 and dht.provides == 2
+        assert d.finds == 7, d.finds
+        dht.table = 2  # the routing table doubled: peers closer to our keys may have come
+        await round_at(401.0)
+        assert d.announces == 2
+        host.addrs.append("/ip4/10.0.0.1/tcp/4001/p2p-circuit")  # a new address
+        await round_at(402.0)
+        assert d.announces == 3
+        await round_at(402.0 + disc.REANNOUNCE_S)  # and a refresh long before records expire
+        assert d.announces == 4
+        # a lookup that finds someone new resets the back-off: look again next round
+        dht.providers = [_Info(Identity.generate().peer_id)]
+        finds = d.finds
+        await round_at(5000.0)
+        assert d.finds == finds + 1 and d.found == 1
+        await round_at(5000.5)  # looked again: the same provider, nothing new
+        assert d.finds == finds + 2 and d.found == 1
+        await round_at(5001.0)  # so back off: the next lookup after interval_s
+        assert d.finds == finds + 2
+        await round_at(5010.5)
+        assert d.finds == finds + 3
+
+    trio.run(main, clock=trio.testing.MockClock())
