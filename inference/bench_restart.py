@@ -42,9 +42,16 @@ def drop_page_cache(root: Path) -> None:
             os.close(fd)
 
 
+# the cache is filled with states of 300-1,500 tokens (7-35 MB each at 23 KB/token): a
+# smaller cache would hold none of them and the fill would never reach its target
+MIN_CACHE_GB = 0.1
+
+
 def bench_restart(cache_gb: float = 1.5, runs: int = 3, threads: int = 1,
                   model: str | None = None, kv_dir: str | None = None,
                   log=lambda msg: None) -> dict:
+    if not cache_gb >= MIN_CACHE_GB:
+        raise ValueError(f"cache_gb must be at least {MIN_CACHE_GB} (got {cache_gb})")
     from .engine import Engine, SamplingParams
     from .kvstore import KVStore
 
@@ -73,7 +80,11 @@ def bench_restart(cache_gb: float = 1.5, runs: int = 3, threads: int = 1,
         target = int(cache_gb * (1 << 30))
         nprng = np.random.default_rng(1)
         n_files = 1
+        max_puts = 4 * target // (300 * per_token) + 16  # room for refusals, never forever
         while store.disk_used_bytes < target:
+            if n_files > max_puts:
+                raise RuntimeError(f"the store took {store.disk_used_bytes} of {target} bytes "
+                                   f"after {n_files - 1} states: it refuses them")
             n_tok = rng.randrange(300, 1500)
             toks = [rng.randrange(100, 40000) for _ in range(n_tok)]
             store.put(ns.id, toks, nprng.bytes(n_tok * per_token))
@@ -118,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-dir", default=None, help="folder for the cache (default: a temp dir)")
     a = ap.parse_args(argv)
+    if not a.cache_gb >= MIN_CACHE_GB:
+        ap.error(f"--cache-gb must be at least {MIN_CACHE_GB} (got {a.cache_gb})")
     out = bench_restart(a.cache_gb, a.runs, a.threads, a.model, a.kv_dir,
                         log=lambda m: print(m, flush=True))
     print(json.dumps(out, indent=2))

@@ -35,3 +35,12 @@ def test_command_line(capsys):
     with pytest.raises(SystemExit) as info:
         bench_restart.main(["--cache-gb", "lots"])
     assert info.value.code == 2 and "--cache-gb" in capsys.readouterr().err
+
+
+def test_a_cache_too_small_for_any_state_is_refused_not_filled_forever(capsys):
+    # before: --cache-gb 0.002 held none of the 7-35 MB states and the fill loop never ended
+    with pytest.raises(SystemExit) as info:
+        bench_restart.main(["--cache-gb", "0.002"])
+    assert info.value.code == 2 and "at least" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="at least"):
+        bench_restart.bench_restart(cache_gb=0.0)
