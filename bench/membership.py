@@ -209,7 +209,7 @@ class _Sim:
     def _deliver(self, t: float, sender: bytes, sends) -> None:
         for s in sends:
             if t >= self.cfg.warmup_s:
-                self.bytes += len(encode_message(s.message)) + FRAME_OVERHEAD_BYTES
+                self.bytes += len(encode_message(s.message, sender)) + FRAME_OVERHEAD_BYTES
                 self.messages += 1
             if self.rng.random() < self.cfg.loss:
                 continue

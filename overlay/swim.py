@@ -1,4 +1,4 @@
-"""SWIM membership on ``/prefixmesh/swim/1.0.0``: the node's default source of "who is up".
+"""SWIM membership on ``/prefixmesh/swim/1.1.0``: the node's default source of "who is up".
 
 The protocol is the pure state machine of :mod:`.core.membership` (probing, indirect
 probes, suspicion, incarnations, piggybacked dissemination); this module is its shell:
@@ -86,7 +86,7 @@ __all__ = ["SWIM_PROTOCOL", "Swim"]
 
 log = logging.getLogger(__name__)
 
-SWIM_PROTOCOL = "/prefixmesh/swim/1.0.0"
+SWIM_PROTOCOL = "/prefixmesh/swim/1.1.0"
 
 OUTBOX_SIZE = 16  # a probe period's worth of messages to one peer, with room to spare
 IDLE_CLOSE_S = 30.0  # an outbound stream unused this long is closed (reopened on need)
@@ -324,7 +324,7 @@ class Swim(Liveness):
                     self.stats["dropped_rate"] += 1
                     continue
                 try:
-                    message = mb.decode_message(data)
+                    message = mb.decode_message(data, peer)
                 except mb.MembershipError as exc:
                     self.stats["bad_messages"] += 1
                     log.info("bad membership message from %s dropped: %s",
@@ -578,7 +578,7 @@ class Swim(Liveness):
                             continue
                     if isinstance(message, mb.Ack) and message.target == self.host.peer_id:
                         message = replace(message, info=self._own_info(stream_state))
-                    data = mb.encode_message(message)
+                    data = mb.encode_message(message, self.host.peer_id)
                     await fs.send_raw(data, timeout_s=WRITE_TIMEOUT_S)
                     self.stats["sent"] += 1
                     self.stats["bytes_out"] += len(data) + 4

@@ -70,12 +70,15 @@ changes are collected as :class:`MemberEvent` values (:meth:`drain_events`). The
 Wire form (:func:`encode_message` / :func:`decode_message`): one CBOR array
 ``[type, seq, incarnation, target, updates]``, updates ``[peer, incarnation, state, addrs]``
 (a SUSPECT claim adds its accuser's 8-byte :func:`accuser_tag` as a fifth element, for
-Lifeguard's confirmations; a node from before Lifeguard drops a message carrying one as
-malformed);
-an ACK the target sends itself may add a sixth element, :class:`AckInfo` ``[queue_depth,
-active, n_ctx, summary_hash, model, model_name]`` (what the node's routing reads about a
-peer; the state machine ignores it, the shell fills and reads it). Decoding is bounded
-(:data:`MAX_MESSAGE_BYTES`) and raises only :class:`MembershipError`.
+Lifeguard's confirmations). A direct ACK (its target is its sender) sends an empty target,
+which the receiver fills in with the stream's authenticated peer. An ACK the target sends
+itself may add a sixth element, :class:`AckInfo` ``[queue_depth, active, n_ctx,
+summary_hash, model, model_name]`` (what the node's routing reads about a peer; the state
+machine ignores it, the shell fills and reads it). Decoding is bounded
+(:data:`MAX_MESSAGE_BYTES`) and raises only :class:`MembershipError`. The accuser tag and
+the empty ACK target came with protocol ``/prefixmesh/swim/1.1.0`` (``overlay/swim.py``):
+nodes of 1.0.0 do not speak it, so a mesh runs one version, and a node of the other is
+never a member (never up), rather than a source of malformed messages.
 """
 
 from __future__ import annotations
@@ -785,10 +788,16 @@ def _update_obj(u: Update) -> list:
     return obj
 
 
-def encode_message(message: Message) -> bytes:
+def encode_message(message: Message, sender: bytes = b"") -> bytes:
+    """``sender``: who sends it (b"": unknown). An ACK for the sender itself, the usual
+    direct ACK, leaves its target empty: the receiver knows who sent it (the stream's
+    authenticated peer; :func:`decode_message`'s ``sender``), and a peer id is 38 of a
+    direct ACK's ~97 bytes."""
     kind = (_PING if isinstance(message, Ping) else _PING_REQ if isinstance(message, PingReq)
             else _SYNC if isinstance(message, Sync) else _ACK)
     target = b"" if isinstance(message, Ping | Sync) else message.target
+    if kind == _ACK and sender and target == sender:
+        target = b""
     obj = [kind, message.seq, message.incarnation, target,
            [_update_obj(u) for u in message.updates]]
     info = message.info if isinstance(message, Ack) else None
@@ -849,8 +858,9 @@ def _decode_update(obj: object) -> Update:
     return Update(peer, inc, state, tuple(addrs))
 
 
-def decode_message(data: bytes) -> Message:
-    """Decode one membership message, or raise :class:`MembershipError`."""
+def decode_message(data: bytes, sender: bytes = b"") -> Message:
+    """Decode one membership message from ``sender`` (b"": unknown), or raise
+    :class:`MembershipError`. An ACK with an empty target is the sender's own."""
     try:
         obj = loads_bounded(data, max_bytes=MAX_MESSAGE_BYTES, max_items=4096)
     except DigestError as exc:
@@ -870,10 +880,10 @@ def decode_message(data: bytes) -> Message:
     if kind in (_PING, _SYNC):
         _peer(target, "ping target", empty_ok=True)
         return Ping(seq, inc, ups) if kind == _PING else Sync(seq, inc, ups)
-    if kind in (_PING_REQ, _ACK):
-        tgt = _peer(target, "target")
-        if kind == _PING_REQ:
-            return PingReq(seq, inc, tgt, ups)
+    if kind == _PING_REQ:
+        return PingReq(seq, inc, _peer(target, "target"), ups)
+    if kind == _ACK:
+        tgt = _peer(target or sender, "ACK target (empty: the sender's own, if known)")
         return Ack(seq, inc, tgt, ups, _decode_info(obj[5]) if len(obj) == 6 else None)
     raise MembershipError(f"unknown membership message type {kind!r}")
 

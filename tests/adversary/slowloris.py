@@ -3,7 +3,7 @@
 Plain py-libp2p hosts (Noise only, fresh Ed25519 identities) open streams to the victim
 on its own protocols (``/prefixmesh/infer/1.0.0``, ``/prefixmesh/digest/1.0.0``,
 ``/prefixmesh/digest-part/1.0.0``, ``/prefixmesh/peers/1.0.0``,
-``/prefixmesh/swim/1.0.0``, or ``/prefixmesh/ping/1.0.0`` at a heartbeat node): each stream announces a large frame with its 4-byte
+``/prefixmesh/swim/1.1.0``, or ``/prefixmesh/ping/1.0.0`` at a heartbeat node): each stream announces a large frame with its 4-byte
 big-endian length prefix and then sends one byte every ``gap_s``, for as long as the
 victim keeps the stream open. When the victim cuts a stream (reset, or an answer and
 end of stream) the attacker opens another in its place, until ``duration_s`` is over
@@ -26,7 +26,7 @@ PROTOCOLS = {
     "digest": "/prefixmesh/digest/1.0.0",
     "partition": "/prefixmesh/digest-part/1.0.0",
     "peers": "/prefixmesh/peers/1.0.0",
-    "swim": "/prefixmesh/swim/1.0.0",  # membership, the node's default
+    "swim": "/prefixmesh/swim/1.1.0",  # membership, the node's default
     "ping": "/prefixmesh/ping/1.0.0",  # membership with ``--membership heartbeat``
 }
 

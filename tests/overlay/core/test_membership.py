@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,20 @@ def test_only_a_higher_incarnation_refutes_a_suspicion():
 @given(messages)
 def test_codec_round_trips(msg):
     assert decode_message(encode_message(msg)) == msg
+
+
+@given(messages, st.binary(min_size=1, max_size=40), st.booleans())
+def test_codec_round_trips_with_a_known_sender(msg, other, from_target):
+    # a direct ACK (target = sender) travels with an empty target; all else as it is
+    sender = msg.target if from_target and isinstance(msg, Ack) else other
+    data = encode_message(msg, sender)
+    assert decode_message(data, sender) == msg
+    if isinstance(msg, Ack) and msg.target == sender:
+        assert len(data) == len(encode_message(msg)) - (len(cbor2.dumps(sender)) - 1)
+        with pytest.raises(MembershipError, match="ACK target"):
+            decode_message(data)  # and a receiver that does not know the sender refuses it
+    else:
+        assert data == encode_message(msg)
 
 
 @settings(max_examples=300)
