@@ -396,6 +396,9 @@ REANNOUNCE_S = 1800.0
 #: provider lookups back off to this interval while they find nobody new (membership
 #: spreads the mesh's members too: the DHT is for joining and for healing a split)
 MAX_FIND_INTERVAL_S = 120.0
+#: ... but not while the node is new: for this long after its first round it looks up
+#: every round, since the peers it should find may announce themselves seconds after it
+JOIN_LOOKUPS_S = 120.0
 
 
 def encode_dht_record(identity, addrs: Sequence[str], issued_at: float) -> bytes:
@@ -492,8 +495,9 @@ class DhtDiscovery:
     ``/prefixmesh/<our b58 id>``) when due (:meth:`_announce_due`: first round, new
     addresses, a routing table twice as large as at the last announce, or
     :data:`REANNOUNCE_S` since); ``find_providers`` of our model's key, then of the mesh key
-    (at most :data:`MAX_PROVIDERS_PER_KEY` each) every round while that finds someone new,
-    backing off to :data:`MAX_FIND_INTERVAL_S` while it finds nobody; providers without
+    (at most :data:`MAX_PROVIDERS_PER_KEY` each) every round for :data:`JOIN_LOOKUPS_S`
+    after joining and while that finds someone new, backing off to
+    :data:`MAX_FIND_INTERVAL_S` while it finds nobody; providers without
     addresses are resolved through their signed record (or ``find_peer``). Found peers are
     learned with source ``"dht"``. Every DHT call runs under ``op_timeout_s``.
     """
@@ -524,6 +528,7 @@ class DhtDiscovery:
         self._announced: tuple[float, int, tuple[str, ...]] | None = None
         self._next_find = 0.0
         self._find_interval = interval_s
+        self._first_round: float | None = None
 
     async def run(self) -> None:
         """Runs until cancelled; a DHT failure only disables DHT discovery (logged)."""
@@ -559,6 +564,8 @@ class DhtDiscovery:
         if table == 0:
             return
         now = trio.current_time()
+        if self._first_round is None:
+            self._first_round = now
         addrs = tuple(sorted(self.host.listen_addrs()))
         if self._announce_due(now, table, addrs):
             await self._announce(addrs)
@@ -566,7 +573,7 @@ class DhtDiscovery:
             self.announces += 1
         if now >= self._next_find:
             self.finds += 1
-            if await self._find():
+            if await self._find() or now - self._first_round < JOIN_LOOKUPS_S:
                 self._find_interval = self.interval_s
                 self._next_find = now  # more may be coming in: look again next round
             else:
