@@ -396,9 +396,12 @@ REANNOUNCE_S = 1800.0
 #: provider lookups back off to this interval while they find nobody new (membership
 #: spreads the mesh's members too: the DHT is for joining and for healing a split)
 MAX_FIND_INTERVAL_S = 120.0
-#: ... but not while the node is new: for this long after its first round it looks up
-#: every round, since the peers it should find may announce themselves seconds after it
-JOIN_LOOKUPS_S = 120.0
+#: ... but not while the node is new: for this long after its first round it announces
+#: and looks up every round (as every node once did all the time). Records placed while
+#: the routing tables are still filling can miss the peers that later lookups ask (a
+#: single announce was measured to leave a 4-node mesh's newest node unfound for 90 s on a
+#: loaded machine), and the peers a new node should find announce seconds after it
+JOIN_ROUNDS_S = 120.0
 
 
 def encode_dht_record(identity, addrs: Sequence[str], issued_at: float) -> bytes:
@@ -492,11 +495,11 @@ class DhtDiscovery:
 
     Every ``interval_s`` (first rounds faster): add connected peers to the routing table;
     announce (provider records + our signed address record under
-    ``/prefixmesh/<our b58 id>``) when due (:meth:`_announce_due`: first round, new
-    addresses, a routing table twice as large as at the last announce, or
-    :data:`REANNOUNCE_S` since); ``find_providers`` of our model's key, then of the mesh key
-    (at most :data:`MAX_PROVIDERS_PER_KEY` each) every round for :data:`JOIN_LOOKUPS_S`
-    after joining and while that finds someone new, backing off to
+    ``/prefixmesh/<our b58 id>``) when due (:meth:`_announce_due`: every round while
+    joining, :data:`JOIN_ROUNDS_S`; then on new addresses, a routing table twice as large
+    as at the last announce, or :data:`REANNOUNCE_S` since); ``find_providers`` of our
+    model's key, then of the mesh key (at most :data:`MAX_PROVIDERS_PER_KEY` each) every
+    round while joining and while that finds someone new, backing off to
     :data:`MAX_FIND_INTERVAL_S` while it finds nobody; providers without
     addresses are resolved through their signed record (or ``find_peer``). Found peers are
     learned with source ``"dht"``. Every DHT call runs under ``op_timeout_s``.
@@ -568,12 +571,12 @@ class DhtDiscovery:
             self._first_round = now
         addrs = tuple(sorted(self.host.listen_addrs()))
         if self._announce_due(now, table, addrs):
-            await self._announce(addrs)
-            self._announced = (now, table, addrs)
             self.announces += 1
+            if await self._announce(addrs):  # one that failed or timed out: again next round
+                self._announced = (now, table, addrs)
         if now >= self._next_find:
             self.finds += 1
-            if await self._find() or now - self._first_round < JOIN_LOOKUPS_S:
+            if await self._find() or now - self._first_round < JOIN_ROUNDS_S:
                 self._find_interval = self.interval_s
                 self._next_find = now  # more may be coming in: look again next round
             else:
@@ -581,23 +584,32 @@ class DhtDiscovery:
                 self._find_interval = min(self._find_interval * 2, MAX_FIND_INTERVAL_S)
 
     def _announce_due(self, now: float, table: int, addrs: tuple[str, ...]) -> bool:
-        """Whether to announce again: never announced, our addresses changed (a relay
-        reservation, a mapped port), the routing table doubled (peers closer to the keys
-        than those holding our records may have joined), or :data:`REANNOUNCE_S` passed."""
-        if self._announced is None:
+        """Whether to announce again: never announced, still joining
+        (:data:`JOIN_ROUNDS_S`), our addresses changed (a relay reservation, a mapped
+        port), the routing table doubled (peers closer to the keys than those holding our
+        records may have joined), or :data:`REANNOUNCE_S` passed."""
+        if self._announced is None or now - self._first_round < JOIN_ROUNDS_S:
             return True
         when, at_table, at_addrs = self._announced
         return addrs != at_addrs or table >= 2 * at_table or now - when >= REANNOUNCE_S
 
-    async def _announce(self, addrs: Sequence[str]) -> None:
+    async def _announce(self, addrs: Sequence[str]) -> bool:
+        """Provider records under our keys and our signed address record; True when every
+        one of them reached some peer within ``op_timeout_s``."""
         dht = self.dht
         me = self.host.identity.peer_id_b58
+        ok = True
         for key in self.keys:
+            provided = False
             with trio.move_on_after(self.op_timeout_s):
-                await dht.provide(key)
+                provided = bool(await dht.provide(key))
+            ok = ok and provided
+        stored = False
         with trio.move_on_after(self.op_timeout_s):
             await dht.put_value(f"/{DHT_NAMESPACE}/{me}",
                                 encode_dht_record(self.host.identity, list(addrs), time.time()))
+            stored = True
+        return ok and stored
 
     async def _find(self) -> int:
         """Looks up the providers of our keys; returns how many peers were new to us."""

@@ -87,6 +87,7 @@ class _Dht:
         self.table = 1
         self.provides = self.puts = self.lookups = 0
         self.providers: list = []
+        self.provide_ok = True
 
     async def add_peer(self, _peer):
         pass
@@ -96,6 +97,7 @@ class _Dht:
 
     async def provide(self, _key):
         self.provides += 1
+        return self.provide_ok
 
     async def put_value(self, _key, _value):
         self.puts += 1
@@ -151,23 +153,32 @@ def test_dht_upkeep_announces_on_change_and_backs_off_lookups():
 
         await round_at(0.0)  # first round: announce (2 keys + the address record), look up
         assert (dht.provides, dht.puts, d.announces, dht.lookups) == (2, 1, 1, 2)
-        for t in range(10, 120, 10):  # a new node looks up every round, found or not
+        for t in range(10, 120, 10):  # a new node announces and looks up every round
             await round_at(float(t))
-        assert d.finds == 12 and d.announces == 1
+        assert d.finds == 12 and d.announces == 12
         for t in range(120, 521, 10):
             await round_at(float(t))
         # then, nothing changed: no announce; lookups find nobody new, so they back off:
         # at 120, 130, 150, 190, 270, 390 and 510 s (10 -> 20 -> 40 -> 80 -> 120 s apart)
-        assert d.announces == 1 and dht.provides == 2
+        assert d.announces == 12 and dht.provides == 24
         assert d.finds == 12 + 7, d.finds
         dht.table = 2  # the routing table doubled: peers closer to our keys may have come
         await round_at(521.0)
-        assert d.announces == 2
+        assert d.announces == 13
         host.addrs.append("/ip4/10.0.0.1/tcp/4001/p2p-circuit")  # a new address
         await round_at(522.0)
-        assert d.announces == 3
+        assert d.announces == 14
         await round_at(522.0 + disc.REANNOUNCE_S)  # and a refresh long before records expire
-        assert d.announces == 4
+        assert d.announces == 15
+        dht.provide_ok = False  # an announce that reached nobody is tried again next round
+        host.addrs.append("/ip4/10.0.0.2/tcp/4001")
+        await round_at(3000.0)
+        await round_at(3010.0)
+        assert d.announces == 17
+        dht.provide_ok = True
+        await round_at(3020.0)
+        await round_at(3030.0)
+        assert d.announces == 18
         # a lookup that finds someone new resets the back-off: look again next round
         dht.providers = [_Info(Identity.generate().peer_id)]
         finds = d.finds
