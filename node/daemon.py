@@ -563,11 +563,12 @@ class Node:
             await nursery.start(serve_node_http, self)  # OpenAI-compatible HTTP ([http].listen)
             nursery.start_soon(self._watch_signals)
             self._write_addr_file()
+            # started before "ready": a supervisor that signals on "ready" gets a graceful stop
+            self.started.set()
             if opts.print_addrs:
                 for a in self.full_addrs():
                     print(a, flush=True)
                 print("ready", flush=True)
-            self.started.set()
             task_status.started(self)
 
     def _partitioned_digest(self, now: float) -> PartitionedDigest:
