@@ -86,6 +86,11 @@ class Result:
     # the false suspicions about members that were not starved themselves
     false_suspicions_unstarved_per_node_hour: float = 0.0
     lhm_mean: float = 0.0  # Lifeguard's local health multiplier, mean over nodes and time
+    # after a thaw: time until the thawed node and every other live node hold each other
+    # ALIVE again (median, max over the thaws that got there; thaws that never did)
+    rejoin_median_s: float | None = None
+    rejoin_max_s: float | None = None
+    rejoins_unfinished: int = 0
     detect_times: list[float] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
@@ -156,6 +161,8 @@ class _Sim:
             self._push(cfg.warmup_s + cfg.freeze_every_s / 2, "freeze", None)
         self.full_view_s: float | None = None
         self._push(0.0, "check_view", None)
+        self.rejoin: list[float] = []
+        self.rejoining: dict[bytes, float] = {}  # thawed node -> when it thawed
 
     def _push(self, t: float, kind: str, node, payload=None) -> None:
         self.n += 1
@@ -273,6 +280,25 @@ class _Sim:
 
     def _on_thaw(self, t: float, node: bytes, _payload) -> None:
         self.frozen.pop(node, None)
+        self.rejoining[node] = t
+        self._push(t, "check_rejoin", node)
+
+    def _on_check_rejoin(self, t: float, node: bytes, _payload) -> None:
+        """Every 0.1 simulated s after a thaw, until ``node`` and every other live node
+        hold each other ALIVE (a node frozen or crashed meanwhile is left out)."""
+        thawed_at = self.rejoining.get(node)
+        if thawed_at is None or node in self.down or node in self.frozen:
+            self.rejoining.pop(node, None)
+            return
+        view = self.members[node]
+        others = [p for p in self.ids if p != node and p not in self.down
+                  and p not in self.frozen]
+        if all(view.state_of(p) == ALIVE and self.members[p].state_of(node) == ALIVE
+               for p in others):
+            self.rejoin.append(t - thawed_at)
+            del self.rejoining[node]
+        else:
+            self._push(t + 0.1, "check_rejoin", node)
 
     def result(self, wall_s: float) -> Result:
         span = max(self.cfg.seconds - self.cfg.warmup_s, 1e-9)
@@ -294,6 +320,9 @@ class _Sim:
             false_suspicions_unstarved_per_node_hour=(
                 len(self.false_suspect_unstarved) / node_hours),
             lhm_mean=self.lhm_sum / max(self.lhm_samples, 1),
+            rejoin_median_s=statistics.median(self.rejoin) if self.rejoin else None,
+            rejoin_max_s=max(self.rejoin) if self.rejoin else None,
+            rejoins_unfinished=len(self.rejoining),
             detect_times=det,
         )
 
