@@ -108,6 +108,7 @@ import numpy as np
 
 from .chat import ChatError, ChatRenderer, EmptyPromptError, RenderedChat, UnknownRoleError
 from .core.blocks import chain_hashes, derive_namespace_key, namespace_id
+from .core.cells import CellLedger
 from .kvstore import FINGERPRINT_BYTES, KVStore, Lease, StoreChange
 from .model import GGUFError, cache_dir, read_gguf_info, resolve_model
 
@@ -167,6 +168,11 @@ _load_lock = threading.Lock()
 
 
 # --------------------------------------------------------------------------- errors
+
+
+class _KvFull(Exception):
+    """``llama_decode`` found no free KV cells for a batch (its code 1): nothing of the
+    batch was applied, so the step can be retried once room is made."""
 
 
 class EngineError(Exception):
@@ -454,8 +460,9 @@ class Engine:
         self._resident_max = _RESIDENT_SEQUENCES  # an attribute so that a probe can vary it
         # throughput mode: llama_decode calls, sequences and tokens over all of them
         # (and the most prompt tokens one step carried next to decoding sequences)
+        # (and requests put back in the queue because the KV cache was full: "preempted")
         self.batch_counters = {"steps": 0, "sequences": 0, "tokens": 0,
-                               "max_prefill_while_decoding": 0}
+                               "max_prefill_while_decoding": 0, "preempted": 0}
         try:
             self.model_path = resolve_model(cfg.model_path, progress=False)
             self.gguf = read_gguf_info(self.model_path)
@@ -1221,6 +1228,8 @@ class Engine:
         self._mbatch = lib.llama_batch_init(self._llama.n_batch, 0, 1)
         free = list(range(n_slots))
         self._idle = {}
+        self._cells = CellLedger()  # what the KV cache holds, shared cells once
+        admit_held = False  # the KV cache was full: admit nothing until a request ends
         slots: list[_Slot] = []
         pending: list[RequestHandle] = []
         stopping = False
@@ -1250,7 +1259,7 @@ class Engine:
                     self._retire(slot, "cancelled")
                 return
             # admit while sequences and KV cells last
-            while pending and (free or self._idle):
+            while pending and (free or self._idle) and not admit_held:
                 h = pending[0]
                 if h.cancelled:
                     pending.pop(0)
@@ -1261,11 +1270,10 @@ class Engine:
                 shared = max((_common_prefix(s.h.tokens, h.tokens, len(h.tokens) - 1)
                               for s in slots if s.h.ns.id == h.ns.id), default=0)
                 need = len(h.tokens) + h.params.max_tokens - shared
-                running = sum(s.need for s in slots)
-                while self._idle and running + self._idle_cells() + need > self.n_ctx:
+                while self._idle and self._kv_demand(slots) + need > self.n_ctx:
                     self._drop_idle(next(iter(self._idle)), free)  # least recently used
-                if slots and running + need > self.n_ctx:
-                    break  # waits for cells; the copy of a shared prefix is not counted
+                if slots and self._kv_demand(slots) + need > self.n_ctx:
+                    break  # waits for cells (a copied shared prefix costs none)
                 pending.pop(0)
                 if not free:  # every sequence is resident: give up the least useful one
                     self._drop_idle(self._idle_victim(h), free)
@@ -1275,6 +1283,7 @@ class Engine:
                 except Exception as exc:
                     log.exception("request %d failed", h.id)
                     lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                    self._cells.remove(seq)
                     free.append(seq)
                     h._finish(None, exc)
                     continue
@@ -1285,6 +1294,9 @@ class Engine:
                 continue
             try:
                 self._step(slots)
+            except _KvFull:
+                admit_held = self._make_room(slots, pending, free)
+                continue
             except Exception as exc:
                 log.exception("batched decode failed")
                 for slot in slots:
@@ -1292,6 +1304,7 @@ class Engine:
                     slot.finish = "error"
             for slot in [s for s in slots if s.finish]:
                 slots.remove(slot)
+                admit_held = False  # cells were given back
                 if self._retire(slot, slot.finish):
                     src = slot.resident_source
                     if src in self._idle and 2 * slot.stats.cached_tokens >= len(
@@ -1308,8 +1321,53 @@ class Engine:
                     free.sort()
             self._active = len(slots)
 
-    def _idle_cells(self) -> int:
-        return sum(len(tokens) for _, tokens in self._idle.values())
+    def _kv_demand(self, slots: list[_Slot]) -> int:
+        """KV cells held now plus those the running requests may still add (their prompt
+        not yet evaluated, their tokens not yet generated)."""
+        grow = 0
+        for s in slots:
+            if s.phase == "wait":  # will copy s.shared cells from its source, then grow
+                grow += len(s.h.tokens) - s.shared + s.h.params.max_tokens
+            else:
+                # decoding, n_past counts generated tokens too; each generated token but
+                # the last is evaluated once
+                grow += (max(0, len(s.h.tokens) - s.n_past)
+                         + max(0, s.h.params.max_tokens - len(s.generated)))
+        return self._cells.used() + grow
+
+    def _make_room(self, slots: list[_Slot], pending: list[RequestHandle],
+                   free: list[int]) -> bool:
+        """``llama_decode`` found no free cells (the admission estimate was short, e.g. a
+        waiting request's source ended before the copy). Give up resident sequences first;
+        else put the most recently admitted request that has produced nothing back at the
+        head of the queue (it starts again later, nobody sees a difference); else end the
+        most recent one with an error, never all of them. True: admit nothing until a
+        running request ends."""
+        if self._idle:
+            for seq in list(self._idle):
+                self._drop_idle(seq, free)
+            return True
+        live = [s for s in slots if not s.finish]
+        quiet = [s for s in live if s.t_first == 0.0]
+        if len(live) > 1 and quiet:
+            victim = max(quiet, key=lambda s: s.t_start)
+            slots.remove(victim)
+            self._running.discard(victim.h)
+            self._lib.llama_memory_seq_rm(self._mem, victim.seq, -1, -1)
+            self._cells.remove(victim.seq)
+            free.append(victim.seq)
+            free.sort()
+            pending.insert(0, victim.h)
+            self.batch_counters["preempted"] += 1
+            log.info("KV cache full (%d cells in use of %d): request %d waits for room",
+                     self._cells.used(), self.n_ctx, victim.h.id)
+            return True
+        victim = max(live, key=lambda s: s.t_start)
+        victim.error = EngineError(
+            f"the KV cache is full ({self._cells.used()} of n_ctx {self.n_ctx} cells in use "
+            "by the requests running with this one): retry, or raise [model] n_ctx")
+        victim.finish = "error"
+        return True
 
     def _idle_victim(self, h: RequestHandle) -> int:
         """The resident sequence whose cells serve ``h`` least (least recently used first)."""
@@ -1320,6 +1378,7 @@ class Engine:
     def _drop_idle(self, seq: int, free: list[int]) -> None:
         del self._idle[seq]
         self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._cells.remove(seq)
         free.append(seq)
         free.sort()
 
@@ -1328,7 +1387,6 @@ class Engine:
         slot.stats = h.stats = RequestStats(prompt_tokens=len(h.tokens), batch_mode="throughput")
         slot.t_start = time.perf_counter()
         slot.stats.queue_wait_s = slot.t_start - h.submitted_at
-        slot.need = len(h.tokens) + h.params.max_tokens
         if h.params.temperature > 0:
             slot.rng = np.random.default_rng(h.params.seed)
         slot.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -1342,6 +1400,7 @@ class Engine:
         h = slot.h
         tokens, body_end = h.tokens, len(h.tokens) - 1
         lib.llama_memory_seq_rm(mem, slot.seq, -1, -1)
+        self._cells.remove(slot.seq)
         slot.n_past = 0
         if body_end < 1:
             slot.phase = "prefill"
@@ -1366,6 +1425,7 @@ class Engine:
             if lease is not None:
                 lease.release()
             lib.llama_memory_seq_cp(mem, resident, slot.seq, 0, resident_len)
+            self._cells.copy(resident, slot.seq, resident_len)
             self._idle[resident] = self._idle.pop(resident)  # most recently used
             slot.resident_source = resident
             slot.n_past = slot.stats.cached_tokens = resident_len
@@ -1388,8 +1448,13 @@ class Engine:
             use = lease.length
             if use > 0 and (use == lease.entry_tokens or self._can_truncate):
                 if self._restore(lease, use, slot.seq, self._scratch, clear=False):
+                    self._cells.append(slot.seq, use)
                     slot.n_past = use
                     slot.stats.hit_tier = lease.tier
+                elif self._cells.used():
+                    # other sequences hold cells: too few left for the state, which is
+                    # fine; the prompt is computed instead (the safety net makes room)
+                    log.info("no KV room to restore %d cached tokens: computing them", use)
                 else:
                     log.warning("llama refused a stored state; dropping it and running cold")
                     with contextlib.suppress(Exception):
@@ -1404,10 +1469,10 @@ class Engine:
         src = slot.source
         if src.n_past >= slot.shared and src.phase != "wait":
             self._lib.llama_memory_seq_cp(self._mem, src.seq, slot.seq, 0, slot.shared)
+            self._cells.copy(src.seq, slot.seq, slot.shared)
             slot.n_past = slot.shared
             slot.stats.cached_tokens = slot.shared
             slot.stats.hit_tier = "live"
-            slot.need -= slot.shared  # those cells are shared with the source
             slot.phase = "prefill"
             slot.source = None
 
@@ -1452,6 +1517,8 @@ class Engine:
             return
         b.n_tokens = n
         rc = lib.llama_decode(self._ctx, b)
+        if rc == 1:
+            raise _KvFull()
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc} ({n} tokens)")
         n_seqs = len(parts)
@@ -1465,6 +1532,7 @@ class Engine:
         now = time.perf_counter()
         for slot, added, idx in parts:
             slot.n_past += added
+            self._cells.append(slot.seq, added)
             slot.stats.max_batch_seen = max(slot.stats.max_batch_seen, n_seqs)
             if idx < 0:
                 continue
@@ -1514,6 +1582,10 @@ class Engine:
         finally:
             self._lib.llama_memory_seq_rm(self._mem, slot.seq, len(h.tokens) if keep else -1,
                                           -1)
+            if keep:
+                self._cells.truncate(slot.seq, len(h.tokens))
+            else:
+                self._cells.remove(slot.seq)
         if slot.error is not None:
             h._finish(None, slot.error)
             return keep
@@ -1605,7 +1677,6 @@ class _Slot:
         self.stats = RequestStats()
         self.phase = "prefill"  # "wait" (for a running sequence's prefix) | "prefill" | "decode"
         self.n_past = 0
-        self.need = 0  # KV cells this request may take (admission control)
         self.source: _Slot | None = None
         self.shared = 0
         self.resident_source: int | None = None  # the resident sequence its prefix came from

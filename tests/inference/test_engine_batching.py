@@ -17,7 +17,7 @@ import time
 import pytest
 from _model_fixture import TEST_THREADS, default_model_path
 
-from prefixmesh.inference.engine import Engine, SamplingParams
+from prefixmesh.inference.engine import Engine, EngineError, SamplingParams
 
 P, S, K = 120, 8, 4
 EIGHT = SamplingParams(max_tokens=8)
@@ -247,3 +247,80 @@ def test_followers_survive_their_prefix_source_being_cancelled():
         e.close(flush=False)
     assert all(g.finish_reason == "length" and len(g.tokens) == 8 for g in got)
     assert all(g.stats.cached_tokens + g.stats.prefill_tokens == len(ps[1]) for g in got)
+
+
+def test_cells_copied_from_a_finished_request_still_count_for_admission():
+    # A runs; B copies A's 200-token prefix from A's sequence (shared cells); A ends, its
+    # sequence stays resident; C (unrelated, 340 cells) arrives while B runs. Admitting C
+    # means giving up A's resident sequence, but B still holds the shared cells: counted
+    # per request, they were forgotten, C was let in, and llama_decode failed for B and C
+    # at once. Counted by the cells themselves, C waits for B, and everything completes.
+    rng = random.Random(11)
+    prefix = [rng.randrange(100, 40000) for _ in range(200)]
+    e = make_engine(n_ctx=512, ram_budget_bytes=0)
+    try:
+        a = e.submit_tokens(prefix + [rng.randrange(100, 40000) for _ in range(10)],
+                            params=SamplingParams(max_tokens=60))
+        next(iter(a))  # A is decoding: its prefix is computed
+        b = e.submit_tokens(prefix + [rng.randrange(100, 40000) for _ in range(10)],
+                            params=SamplingParams(max_tokens=120))
+        a.result(600)
+        c = e.submit_tokens([rng.randrange(100, 40000) for _ in range(300)],
+                            params=SamplingParams(max_tokens=40))
+        got = [h.result(600) for h in (a, b, c)]
+    finally:
+        e.close(flush=False)
+    assert [g.finish_reason for g in got] == ["length"] * 3
+    assert [len(g.tokens) for g in got] == [60, 120, 40]
+    assert got[1].stats.hit_tier == "live"  # B did share A's cells
+    assert got[2].stats.max_batch_seen == 1  # C ran after B, not beside it
+    assert e.batch_counters["preempted"] == 0  # the estimate alone kept it safe
+
+
+class _DecodeFindsNoRoom:
+    """Test-only fault: ``llama_decode`` answers "no free KV cells" (its code 1, nothing
+    applied) on the given calls; every other call goes to llama.cpp."""
+
+    def __init__(self, lib, refused_calls) -> None:
+        self._lib, self._refused, self.calls = lib, set(refused_calls), 0
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def llama_decode(self, ctx, batch):
+        self.calls += 1
+        return 1 if self.calls in self._refused else self._lib.llama_decode(ctx, batch)
+
+
+def test_a_full_kv_cache_puts_a_request_that_produced_nothing_back_in_the_queue(prompts):
+    e = make_engine()
+    try:
+        e._lib = _DecodeFindsNoRoom(e._lib, {1})  # the first step: all three prefilling
+        hs = [e.submit_tokens(p, params=SamplingParams(max_tokens=12)) for p in prompts[:3]]
+        got = [h.result(600) for h in hs]
+    finally:
+        e.close(flush=False)
+    assert [g.finish_reason for g in got] == ["length"] * 3
+    assert all(len(g.tokens) == 12 for g in got)
+    assert e.batch_counters["preempted"] == 1
+
+
+def test_a_full_kv_cache_with_every_request_streaming_ends_only_the_newest(prompts):
+    e = make_engine()
+    try:
+        hs = []
+        for p in prompts[:3]:  # admitted one after the other, each decoding before the next
+            hs.append(e.submit_tokens(p, params=SamplingParams(max_tokens=40)))
+            next(iter(hs[-1]))
+        e._lib = _DecodeFindsNoRoom(e._lib, {2})
+        outcomes = []
+        for h in hs:
+            try:
+                outcomes.append(h.result(600).finish_reason)
+            except EngineError as exc:
+                outcomes.append(str(exc))
+    finally:
+        e.close(flush=False)
+    assert outcomes[:2] == ["length", "length"]
+    assert "KV cache is full" in outcomes[2] and "n_ctx" in outcomes[2]
+    assert e.batch_counters["preempted"] == 0
