@@ -56,30 +56,17 @@ class CellLedger:
         """``llama_memory_seq_cp(src, dst, 0, k)`` on an empty ``dst``: it holds the
         source's first ``k`` positions, the same cells."""
         self.remove(dst)
-        out, left = [], k
-        for run, n in self._held.get(src, ()):
-            if left <= 0:
-                break
-            out.append([run, min(n, left)])
-            left -= n
-        if out:
-            self._held[dst] = out
+        self._set(dst, _first(self._held.get(src, ()), k))
 
     def truncate(self, seq: int, length: int) -> None:
         """``llama_memory_seq_rm(seq, length, -1)``: ``seq`` keeps its first ``length``."""
-        runs = self._held.get(seq)
-        if runs is None:
-            return
-        kept, left = [], length
-        for run, n in runs:
-            if left <= 0:
-                break
-            kept.append([run, min(n, left)])
-            left -= n
-        if kept:
-            self._held[seq] = kept
+        self._set(seq, _first(self._held.get(seq, ()), length))
+
+    def _set(self, seq: int, runs: list[list[int]]) -> None:
+        if runs:
+            self._held[seq] = runs
         else:
-            del self._held[seq]
+            self._held.pop(seq, None)
 
     def remove(self, seq: int) -> None:
         """``llama_memory_seq_rm(seq, -1, -1)``."""
@@ -93,3 +80,14 @@ class CellLedger:
                 if n > most.get(run, 0):
                     most[run] = n
         return sum(most.values())
+
+
+def _first(runs, length: int) -> list[list[int]]:
+    """The runs that make up the first ``length`` positions of ``runs`` (new lists)."""
+    out, left = [], length
+    for run, n in runs:
+        if left <= 0:
+            break
+        out.append([run, min(n, left)])
+        left -= n
+    return out
