@@ -324,3 +324,26 @@ def test_a_full_kv_cache_with_every_request_streaming_ends_only_the_newest(promp
     assert outcomes[:2] == ["length", "length"]
     assert "KV cache is full" in outcomes[2] and "n_ctx" in outcomes[2]
     assert e.batch_counters["preempted"] == 0
+
+
+def test_a_prefix_a_running_request_holds_is_copied_unless_the_store_has_much_more():
+    # R1's body is stored; R2 runs, sharing 201 tokens with it. A newcomer sharing 203 with
+    # the stored state copies R2's 201 cells (2 tokens to evaluate beat 203 new cells and a
+    # restore); one sharing 230 restores the stored state
+    rng = random.Random(21)
+    new = lambda n: [rng.randrange(100, 40000) for _ in range(n)]  # noqa: E731
+    prefix, body = new(200), new(40)
+    e = make_engine()
+    try:
+        e.submit_tokens(prefix + body + new(2), params=SamplingParams(max_tokens=1)).result(600)
+        e.submit_tokens(new(50), params=SamplingParams(max_tokens=1)).result(600)  # resident
+        r2 = e.submit_tokens(prefix + body[:1] + new(5), params=SamplingParams(max_tokens=80))
+        next(iter(r2))  # R2 is decoding
+        near = e.submit_tokens(prefix + body[:3] + new(5), params=SamplingParams(max_tokens=4))
+        far = e.submit_tokens(prefix + body[:30] + new(5), params=SamplingParams(max_tokens=4))
+        got_near, got_far = near.result(600), far.result(600)
+        assert r2.result(600).stats.hit_tier == "ram"
+    finally:
+        e.close(flush=False)
+    assert (got_near.stats.hit_tier, got_near.stats.cached_tokens) == ("live", 201)
+    assert (got_far.stats.hit_tier, got_far.stats.cached_tokens) == ("ram", 230)
