@@ -137,10 +137,6 @@ class SwarmBenchConfig:
     sim_prefill_tps: float = 300.0
     sim_decode_tps: float = 30.0
 
-    def churn_fields_default(self) -> bool:
-        d = SwarmBenchConfig()
-        return all(getattr(self, f) == getattr(d, f) for f in CHURN_FIELDS)
-
     def validate(self) -> None:
         from .policies import POLICY_NAMES  # noqa: PLC0415
 

@@ -886,8 +886,3 @@ def decode_message(data: bytes, sender: bytes = b"") -> Message:
         tgt = _peer(target or sender, "ACK target (empty: the sender's own, if known)")
         return Ack(seq, inc, tgt, ups, _decode_info(obj[5]) if len(obj) == 6 else None)
     raise MembershipError(f"unknown membership message type {kind!r}")
-
-
-def message_bytes(messages: Iterable[Send]) -> int:
-    """Wire bytes of ``messages`` (for traffic accounting in the simulator and the node)."""
-    return sum(len(encode_message(s.message)) for s in messages)

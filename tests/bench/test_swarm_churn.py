@@ -107,7 +107,8 @@ def _ns(*argv):
 
 def test_cli_churn_options_and_limits():
     plain = config_from_namespace(_ns())
-    assert plain.churn == 0 and plain.churn_fields_default()
+    d = SwarmBenchConfig()
+    assert plain.churn == 0 and all(getattr(plain, f) == getattr(d, f) for f in CHURN_FIELDS)
     cfg = config_from_namespace(_ns("--nodes", "32", "--churn", "0.2", "--churn-minutes", "4",
                                     "--no-churn-baseline", "--churn-attempt-timeout", "9"))
     assert (cfg.churn, cfg.churn_minutes, cfg.churn_baseline) == (0.2, 4.0, False)
