@@ -1287,18 +1287,13 @@ class Engine:
                     slot = self._admit(h, seq, slots)
                 except Exception as exc:
                     log.exception("request %d failed", h.id)
-                    lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                    self._cells.remove(seq)
-                    free.append(seq)
+                    self._free_sequence(seq, free)
                     h._finish(None, exc)
                     continue
                 if slots and self._kv_demand([*slots, slot]) > self.n_ctx:
                     # placed, it takes more cells than estimated (restored where a copy
                     # was counted, or no room to restore): it waits for a request to end
-                    lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                    self._cells.remove(seq)
-                    free.append(seq)
-                    free.sort()
+                    self._free_sequence(seq, free)
                     pending.insert(0, h)
                     admit_held = True
                     break
@@ -1332,7 +1327,7 @@ class Engine:
                         self._drop_idle(next(iter(self._idle)), free)  # least recently used
                     self._idle[slot.seq] = (slot.h.ns.id, slot.h.tokens)
                 else:
-                    free.append(slot.seq)
+                    free.append(slot.seq)  # _retire emptied it
                     free.sort()
             self._active = len(slots)
 
@@ -1368,10 +1363,7 @@ class Engine:
             victim = max(quiet, key=lambda s: s.t_start)
             slots.remove(victim)
             self._running.discard(victim.h)
-            self._lib.llama_memory_seq_rm(self._mem, victim.seq, -1, -1)
-            self._cells.remove(victim.seq)
-            free.append(victim.seq)
-            free.sort()
+            self._free_sequence(victim.seq, free)
             pending.insert(0, victim.h)
             self.batch_counters["preempted"] += 1
             log.info("KV cache full (%d cells in use of %d): request %d waits for room",
@@ -1392,10 +1384,25 @@ class Engine:
 
     def _drop_idle(self, seq: int, free: list[int]) -> None:
         del self._idle[seq]
-        self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        self._cells.remove(seq)
+        self._free_sequence(seq, free)
+
+    def _free_sequence(self, seq: int, free: list[int]) -> None:
+        self._cut_cells(seq)
         free.append(seq)
         free.sort()
+
+    # throughput mode changes its sequences' cells only through these two, so the ledger
+    # (admission's count of cells in use) always mirrors the cache
+
+    def _cut_cells(self, seq: int, keep: int = 0) -> None:
+        """``seq`` keeps its first ``keep`` positions (0: none)."""
+        self._lib.llama_memory_seq_rm(self._mem, seq, keep or -1, -1)
+        self._cells.truncate(seq, keep)
+
+    def _copy_cells(self, src: int, dst: int, k: int) -> None:
+        """The empty ``dst`` holds ``src``'s first ``k`` positions: the same cells."""
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, 0, k)
+        self._cells.copy(src, dst, k)
 
     def _admit(self, h: RequestHandle, seq: int, slots: list[_Slot]) -> _Slot:
         slot = _Slot(h, seq)
@@ -1411,11 +1418,9 @@ class Engine:
     def _place(self, slot: _Slot, slots: list[_Slot]) -> None:
         """Give ``slot`` its prefix: cells copied from a running sequence (or wait for them),
         else a restore from the store, else nothing (cold)."""
-        lib, mem = self._lib, self._mem
         h = slot.h
         tokens, body_end = h.tokens, len(h.tokens) - 1
-        lib.llama_memory_seq_rm(mem, slot.seq, -1, -1)
-        self._cells.remove(slot.seq)
+        self._cut_cells(slot.seq)
         slot.n_past = 0
         if body_end < 1:
             slot.phase = "prefill"
@@ -1440,8 +1445,7 @@ class Engine:
             # a finished request's cells: copy them (shared cells, nothing restored)
             if lease is not None:
                 lease.release()
-            lib.llama_memory_seq_cp(mem, resident, slot.seq, 0, resident_len)
-            self._cells.copy(resident, slot.seq, resident_len)
+            self._copy_cells(resident, slot.seq, resident_len)
             self._idle[resident] = self._idle.pop(resident)  # most recently used
             slot.resident_source = resident
             slot.n_past = slot.stats.cached_tokens = resident_len
@@ -1484,8 +1488,7 @@ class Engine:
         """A waiting slot takes its shared prefix once its source has computed it."""
         src = slot.source
         if src.n_past >= slot.shared and src.phase != "wait":
-            self._lib.llama_memory_seq_cp(self._mem, src.seq, slot.seq, 0, slot.shared)
-            self._cells.copy(src.seq, slot.seq, slot.shared)
+            self._copy_cells(src.seq, slot.seq, slot.shared)
             slot.n_past = slot.shared
             slot.stats.cached_tokens = slot.shared
             slot.stats.hit_tier = "live"
@@ -1596,12 +1599,7 @@ class Engine:
         except Exception:
             log.exception("saving the snapshot of request %d failed", h.id)
         finally:
-            self._lib.llama_memory_seq_rm(self._mem, slot.seq, len(h.tokens) if keep else -1,
-                                          -1)
-            if keep:
-                self._cells.truncate(slot.seq, len(h.tokens))
-            else:
-                self._cells.remove(slot.seq)
+            self._cut_cells(slot.seq, len(h.tokens) if keep else 0)
         if slot.error is not None:
             h._finish(None, slot.error)
             return keep
