@@ -104,9 +104,9 @@ def connection_config() -> ConnectionConfig:
     return ConnectionConfig(
         max_connections=MAX_CONNECTIONS,
         max_connections_per_peer=1,  # also removes a ~250 ms happy-eyeballs wait
-        # py-libp2p's inbound cap is max_connections - min_connections: inbound may use
-        # everything outbound does not (its auto-connector is switched off in
-        # install_guards: the watermarks alone do not idle it)
+        # py-libp2p's inbound cap is max_connections - min_connections; min_connections
+        # also drives its auto-connector, which low_watermark=0 keeps idle (our heartbeat
+        # decides whom to keep): inbound may use everything outbound does not
         min_connections=0,
         low_watermark=0,
     )
@@ -118,24 +118,13 @@ def install_guards(libp2p_host, peerstore: GuardedPeerStore, dial_gate: DialGate
 
     Also: py-libp2p retries every address of a dial 3 more times (``RetryConfig``, not a
     ``new_host`` argument), which made each of our dials 4 TCP attempts per address; our
-    heartbeat has its own backoff, so the swarm makes one attempt per address.
-
-    And py-libp2p's auto-connector is switched off: it dials peerstore peers until the
-    midpoint of the low and high watermarks (150 connections with ours; a low watermark of
-    0 does not idle it), so it re-dialled peers the node had left, e.g. a relay that went
-    away, which the reservation keeper then never saw as lost. Whom to connect to is the
-    node's decision (heartbeat, SWIM, bootstrap, relays)."""
+    heartbeat has its own backoff, so the swarm makes one attempt per address."""
     network = libp2p_host.get_network()
-    network.auto_connector.maybe_connect = _no_auto_connect
     peerstore.connected = lambda: list(network.connections)
     network.retry_config = RetryConfig(max_retries=0)
     network.common_stream_handler = guard_stream_handler(network.common_stream_handler)
     network.dial_peer = gate_library_dials(network, peerstore, dial_gate)
     release_inbound_on_close(network)
-
-
-async def _no_auto_connect() -> None:
-    return None
 
 
 #: the cancel scope of the inbound handler now upgrading a connection (its own task)

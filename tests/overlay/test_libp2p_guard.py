@@ -135,23 +135,3 @@ def test_an_inbound_slot_comes_back_when_its_connection_closes():
             assert limiter.borrowed_tokens == 0
 
     trio.run(main)
-
-
-def test_the_library_auto_connector_dials_nobody():
-    # py-libp2p's auto-connector aims at the watermarks' midpoint (150 connections), so it
-    # would re-dial a peer the node had left (a relay that went away looked reserved again)
-    async def main():
-        node, other = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
-        async with node.run(), other.run():
-            await node.connect(other.peer_id, other.listen_addrs(), 5)
-            await other._close_connections()  # the other side leaves, as the relay did
-            with trio.fail_after(5):
-                while node.is_connected(other.peer_id):
-                    await trio.sleep(0.05)
-            auto = node.libp2p.get_network().auto_connector
-            auto.clear_all_cooldowns()  # as if the disconnect were long ago
-            await auto.maybe_connect()  # the periodic tick and every disconnect call this
-            await trio.sleep(0.5)
-            assert not node.is_connected(other.peer_id)
-
-    trio.run(main)
