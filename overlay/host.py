@@ -481,6 +481,15 @@ class OverlayHost:
     def is_connected(self, peer: bytes) -> bool:
         return ID(peer) in self.libp2p.get_network().connections
 
+    def links(self, peer: bytes) -> tuple[object, ...]:
+        """Our live connections to ``peer``, as opaque objects to compare by identity: a
+        connection that closed and was dialled again (by us or by the library) is a new
+        object, although :meth:`is_connected` never saw it gone."""
+        try:
+            return tuple(self.libp2p.get_network().get_connections(ID(peer)))
+        except Exception:  # an id the swarm cannot even parse: no live connection
+            return ()
+
     def remote_addrs(self, peer: bytes) -> list[str]:
         """``/ip4|ip6/<ip>/tcp/<port>`` of our live connections to ``peer``, as the
         transport saw them: where the peer really is, not what its records claim."""

@@ -104,9 +104,11 @@ def connection_config() -> ConnectionConfig:
     return ConnectionConfig(
         max_connections=MAX_CONNECTIONS,
         max_connections_per_peer=1,  # also removes a ~250 ms happy-eyeballs wait
-        # py-libp2p's inbound cap is max_connections - min_connections; min_connections
-        # also drives its auto-connector, which low_watermark=0 keeps idle (our heartbeat
-        # decides whom to keep): inbound may use everything outbound does not
+        # py-libp2p's inbound cap is max_connections - min_connections: inbound may use
+        # everything outbound does not. These watermarks do not idle its auto-connector (it
+        # dials peerstore peers up to the midpoint of low and high, 150), so a peer the
+        # node left may be dialled again within a second: nothing may read "connected" as
+        # "the same connection" (the relay keeper compares connection objects)
         min_connections=0,
         low_watermark=0,
     )

@@ -231,6 +231,9 @@ class _Held:
     expires_at: float  # wall clock, from the relay's answer
     renew_at: float  # monotonic
     probe_at: float  # monotonic
+    # the connections the reservation was made over: the relay drops a reservation when
+    # its connection closes, even if one is dialled again before the keeper looks
+    links: tuple[object, ...] = ()
 
 
 class ReservationKeeper:
@@ -315,7 +318,8 @@ class ReservationKeeper:
             now = self.clock()
             ttl = max(1.0, expires_at - time.time())
             self.held[relay] = _Held(addr, rl.circuit_addr(addr, relay), expires_at,
-                                     now + rl.RENEW_FRACTION * ttl, now + rl.PROBE_EVERY_S)
+                                     now + rl.RENEW_FRACTION * ttl, now + rl.PROBE_EVERY_S,
+                                     self.host.links(ID.from_base58(relay).to_bytes()))
             self.reserved_total += 1
             changed = True
             log.info("reachable via relay %s (reservation for %.0f s)", relay[-8:], ttl)
@@ -334,12 +338,17 @@ class ReservationKeeper:
 
         async def look(relay: str, h: _Held) -> None:
             pid = ID.from_base58(relay).to_bytes()
-            if not self.host.is_connected(pid):
+            links = self.host.links(pid)
+            if not links:
                 lost[relay] = "connection closed"
+                return
+            if not any(c in h.links for c in links):
+                lost[relay] = "connection closed and dialled again (the reservation went with it)"
                 return
             try:
                 if now >= h.renew_at:
                     h.expires_at = await self._reserve(relay, h.addr)
+                    h.links = self.host.links(pid)
                     ttl = max(1.0, h.expires_at - time.time())
                     h.renew_at = self.clock() + rl.RENEW_FRACTION * ttl
                     h.probe_at = self.clock() + rl.PROBE_EVERY_S
@@ -366,9 +375,10 @@ class ReservationKeeper:
             self.last_failure = f"relay {relay[-8:]} lost: {why[:160]}"
             self.chooser.failed(relay, self.clock())
             log.warning("lost relay %s (%s): looking for another", relay[-8:], why)
+        self.on_change()  # withdraw the circuit addresses before anything else waits
+        for relay in lost:
             with contextlib.suppress(Exception):
                 await self.host.disconnect(ID.from_base58(relay).to_bytes())
-        self.on_change()
         await self._fill()
 
     async def _reserve(self, relay: str, addr: str) -> float:

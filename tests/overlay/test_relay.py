@@ -64,3 +64,32 @@ def test_a_keeper_reserves_publishes_a_circuit_and_a_peer_reaches_it_through_the
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_relay_connection_dialled_again_before_the_keeper_looks_still_counts_as_lost():
+    # the relay drops a reservation with its connection; py-libp2p (its auto-connector) or
+    # anyone else may dial the relay again within the keeper's 0.5 s loop, so "connected"
+    # alone would keep advertising a circuit the relay no longer holds
+    async def main():
+        relay_host, home = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+        async with relay_host.run(), home.run(), trio.open_nursery() as nursery:
+            await nursery.start(RelayService(relay_host).run)
+            keeper = ReservationKeeper(home, bootstrap=lambda: relay_host.full_addrs())
+            await keeper._fill()  # the loop's steps by hand: nothing runs in between
+            assert keeper.reserved_relays() == [relay_host.identity.peer_id_b58]
+            await keeper._check()
+            assert keeper.reserved_relays() and keeper.last_failure is None  # nothing changed
+
+            await relay_host._close_connections()
+            with trio.fail_after(5):
+                while home.is_connected(relay_host.peer_id):
+                    await trio.sleep(0.02)
+            await home.connect(relay_host.peer_id, relay_host.listen_addrs(), 5)
+            assert home.is_connected(relay_host.peer_id)
+
+            await keeper._check()
+            assert keeper.reserved_relays() == []
+            assert "dialled again" in (keeper.last_failure or "")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
