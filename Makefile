@@ -33,8 +33,10 @@ lint: $(STAMP)
 test: $(STAMP) browser natlab
 	$(BIN)/ruff check .
 	@# two workers: most of the suite waits on node processes, gossip and polls; the few
-	@# tests whose verdict rests on measured speeds run afterwards with the machine to themselves
-	$(BIN)/python -m pytest -ra --durations=25 -n 2 -m "not serial"
+	@# tests whose verdict rests on measured speeds run afterwards with the machine to themselves.
+	@# Whole files per worker: a module fixture (a swarm, a NAT lab) is built once, and
+	@# scenarios that build on each other run in order on it
+	$(BIN)/python -m pytest -ra --durations=25 -n 2 --dist loadfile -m "not serial"
 	$(BIN)/python -m pytest -ra --durations=5 -m serial
 
 # headless Chromium for the dashboard's browser test (Debian package; sudo when not root);
