@@ -4,7 +4,7 @@ Nothing of the protocol is reimplemented here. Every simulated node owns the sam
 a real node owns:
 
 - a :class:`~prefixmesh.inference.core.segments.SegmentTree` of cached prompt states (the KV
-  store's prefix-shared accounting on a radix tree), with its byte budget and LRU eviction
+  store's prefix-shared accounting on a radix tree), with its byte budget and LRU-2 eviction
   (``kv_capacity_bytes``, ``bytes_per_token`` per stored token);
 - an :class:`~prefixmesh.overlay.core.antientropy.AntiEntropy` state with its own Ed25519
   identity, issuing real signed :class:`~prefixmesh.overlay.core.digest.DigestRecord` bytes;
@@ -972,7 +972,7 @@ class Simulator:
                 for h in chain:
                     tb[h] = tb.get(h, 0) + 1
         else:
-            node.tree.match(tokens)  # a use, for LRU
+            node.tree.match(tokens)  # a use, for the eviction order
         if node.queue:
             nxt = node.queue.popleft()
             node.queued_work = max(0.0, node.queued_work - nxt.svc_est)

@@ -15,7 +15,7 @@ Segments (prefix sharing). A state may hold only ``tokens[base:]`` of its prefix
 *segment*, ``put(..., base=)``); it is usable only on top of the stored state of
 ``tokens[:base]``, its parent, in the same tier. A lease hands out the chain, root first
 (``Lease.segments``). Each tier stays closed under parents: a segment pins its parent there
-(so LRU eviction takes segments before their parent), is stored in a tier only where its
+(so eviction takes segments before their parent), is stored in a tier only where its
 parent is, a disk hit promotes the chain root first, and removing or losing a state (bad
 file) removes the segments based on it. ``rebase`` re-bases a state onto a new, longer
 parent of the same chain (a new branch point), so a prefix shared by K prompts is stored
@@ -448,7 +448,7 @@ class KVStore:
                 tree.unpin(parent)
 
     def _chain(self, tree: RadixTree, entry: Entry) -> list[Entry]:
-        """``entry`` and its ancestors, root first; the ancestors count as used (LRU)."""
+        """``entry`` and its ancestors, root first; the ancestors count as used."""
         chain = [entry]
         while chain[-1].payload.base:
             tail = chain[-1]
@@ -724,7 +724,7 @@ class KVStore:
 
     @_locked
     def lookup_length(self, ns_id: bytes, tokens: Sequence[int]) -> tuple[int, str | None]:
-        """How many tokens of ``tokens`` are cached (and where); touches LRU like ``acquire``."""
+        """How many tokens of ``tokens`` are cached (and where); counts as a use like ``acquire``."""
         key = self._key(ns_id, tokens)
         lr = self._ram.match(key).length - 1
         ld = self._disk.match(key).length - 1
@@ -801,7 +801,7 @@ class KVStore:
 
     @_locked
     def contains(self, ns_id: bytes, tokens: Sequence[int]) -> str | None:
-        """Tier holding exactly ``tokens`` ("ram" preferred), or None; no LRU touch."""
+        """Tier holding exactly ``tokens`` ("ram" preferred), or None; not a use."""
         key = self._key(ns_id, tokens)
         if self._ram.get(key) is not None:
             return "ram"
@@ -811,12 +811,12 @@ class KVStore:
 
     @_locked
     def covered(self, ns_id: bytes, tokens: Sequence[int]) -> bool:
-        """Whether some stored entry (either tier) starts with all of ``tokens``. No LRU touch."""
+        """Whether some stored entry (either tier) starts with all of ``tokens``. Not a use."""
         key = self._key(ns_id, tokens)
         for tree in (self._ram, self._disk):
             if tree.get(key) is not None:
                 return True
-        # match() touches LRU; acceptable for the "is it worth snapshotting" question, as
+        # match() counts as a use; acceptable for the "is it worth snapshotting" question, as
         # the caller is about to use this prefix anyway.
         return any(tree.match(key).length == len(key) for tree in (self._ram, self._disk))
 
@@ -862,7 +862,7 @@ class KVStore:
     @_locked
     def parent_length(self, ns_id: bytes, tokens: Sequence[int]) -> int:
         """Length of the longest stored prefix of ``tokens`` (RAM first, else disk) that a
-        segment for ``tokens`` could be based on; 0 if none. No LRU touch."""
+        segment for ``tokens`` could be based on; 0 if none. Not a use."""
         key = self._key(ns_id, tokens)
         for tree in (self._ram, self._disk):
             entry = tree.longest_prefix_entry(key[:-1])
@@ -952,7 +952,7 @@ class KVStore:
                 return 0
             count = sum(1 for _, item, _ in self._queue if item.data is not None)
             entries = sorted(self._ram.entries(), key=lambda e: e.last_used)
-            entries.sort(key=lambda e: len(e.tokens))  # parents first (stable: LRU kept)
+            entries.sort(key=lambda e: len(e.tokens))  # parents first (stable: oldest use first)
             for entry in entries:
                 if entry.stored and self._disk.get(entry.tokens) is None:
                     item: _RamItem = entry.payload

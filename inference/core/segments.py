@@ -4,7 +4,7 @@ prefix is kept once and each extension stores only its own tokens.
 The KV store (``inference/kvstore.py``) charges a RAM entry :func:`ram_entry_bytes`: its
 payload plus :data:`RAM_TOKEN_OVERHEAD` bytes per key token (the token ids of the index).
 The payload of a *segment* holds only ``tokens[base:]`` of its prefix, on top of the stored
-state of ``tokens[:base]`` (its parent), which it pins (LRU eviction takes segments before
+state of ``tokens[:base]`` (its parent), which it pins (eviction takes segments before
 their parent). :class:`SegmentTree` applies the store's and the engine's rules for saving a
 prompt (``Engine._save_snapshots`` with one snapshot point, ``KVStore.put`` /
 ``parent_length`` / ``branch_point`` / ``rebase``) to one :class:`~.radix.RadixTree` with
@@ -15,7 +15,7 @@ through the same prompts and requires the same entries and bytes.
 
 Keys: the store prepends a namespace pseudo-token to every key; so does this tree (one
 namespace, pseudo-token -1), so the byte figures (``key_tokens = len(tokens) + 1`` in
-:func:`ram_entry_bytes`) and the LRU order are the store's: a lookup that matches no real
+:func:`ram_entry_bytes`) and the eviction order (LRU-2) are the store's: a lookup that matches no real
 token still marks an entry used, in both.
 """
 
@@ -119,7 +119,7 @@ class SegmentTree:
         return self.tree.get_key(self._key(tokens))
 
     def covered(self, tokens: Sequence[int]) -> bool:
-        """``KVStore.covered``: some entry starts with all of ``tokens`` (may touch LRU)."""
+        """``KVStore.covered``: some entry starts with all of ``tokens`` (may count as a use)."""
         return self._covered(self._key(tokens))
 
     def _covered(self, key: tuple[int, ...]) -> bool:

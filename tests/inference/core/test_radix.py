@@ -3,7 +3,7 @@ drives RadixTree and a brute-force reference implementation side by side."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -265,6 +265,24 @@ def test_pinned_context_manager_unpins_on_error():
     assert a.pins == 0
 
 
+def test_a_reused_entry_outlives_newer_entries_nobody_came_back_for():
+    # LRU-2: one-off prompts go before a state that was asked for again, however recent
+    tree, evicted = make_tree(30)
+    tree.insert([1], "reused", 10)
+    tree.match([1, 7])  # asked for again
+    tree.insert([2], "once", 10)
+    tree.insert([3], "once", 10)
+    tree.insert([4], "once", 10)  # plain LRU would evict [1]: its last use is the oldest
+    assert evicted == [(2,)]
+    tree.insert([5], "once", 10)
+    assert evicted == [(2,), (3,)]
+    tree.match([4])
+    tree.match([5])  # now three reused entries: the one whose use before the last is oldest
+    tree.insert([6], "once", 10)
+    assert evicted == [(2,), (3,), (1,)]
+    tree._check_invariants()
+
+
 def test_lru_order_survives_pin_unpin():
     tree, evicted = make_tree(30)
     a = tree.insert([1], "a", 10)
@@ -453,11 +471,16 @@ class RefEntry:
     payload: object
     size: int
     pins: int = 0
-    last_used: int = 0
+    used_at: list[int] = field(default_factory=list)  # every use, oldest first
+
+    @property
+    def last_used(self) -> int:
+        return self.used_at[-1] if self.used_at else 0
 
 
 class Reference:
-    """Brute force: a dict of token tuples, linear scans for matching and LRU."""
+    """Brute force: a dict of token tuples, linear scans for matching and for LRU-2 (the
+    entries used once go first, oldest first; then the others by their second-last use)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -471,13 +494,13 @@ class Reference:
 
     def touch(self, e: RefEntry) -> None:
         self.clock += 1
-        e.last_used = self.clock
+        e.used_at.append(self.clock)
 
     def evict_one(self, exclude: tuple[int, ...] | None = None) -> RefEntry | None:
         victims = [e for e in self.entries.values() if e.pins == 0 and e.tokens != exclude]
         if not victims:
             return None
-        victim = min(victims, key=lambda e: e.last_used)
+        victim = min(victims, key=lambda e: (len(e.used_at) > 1, e.used_at[-min(2, len(e.used_at))]))
         del self.entries[victim.tokens]
         self.evicted.append(victim.tokens)
         return victim
