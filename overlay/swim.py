@@ -141,7 +141,7 @@ class Swim(Liveness):
             ("sent", "received", "bytes_out", "bytes_in", "dropped_outbox", "dropped_stale",
              "dropped_rate", "bad_messages", "send_failed", "dial_refused", "dial_failed",
              "streams_refused_rate", "streams_refused_concurrency", "link_checks",
-             "link_failures", "busy_refreshes"), 0)
+             "link_failures", "busy_refreshes", "fresh_connections"), 0)
         self._nursery: trio.Nursery | None = None
         self._outboxes: dict[bytes, trio.MemorySendChannel] = {}
         self._sent_pings: dict[int, tuple[bytes, float]] = {}  # seq -> (to, sent at)
@@ -431,6 +431,10 @@ class Swim(Liveness):
                 self._link_failed(peer, "no connection left")
         m = self.membership
         for peer in self.links.due(now, m.state_of):
+            if (self.links.wants_fresh_connection(peer) and self.host.is_connected(peer)
+                    and self._nursery is not None):
+                self._nursery.start_soon(self._check_over_fresh_connection, peer)
+                continue
             send = m.ping(peer)
             if send is not None:
                 self.stats["link_checks"] += 1
@@ -443,6 +447,21 @@ class Swim(Liveness):
             if send is not None:
                 self.stats["busy_refreshes"] += 1
                 self._dispatch([send])
+
+    async def _check_over_fresh_connection(self, peer: bytes) -> None:
+        """A direct check of a member that left our checks unanswered over the connection
+        we have: drop that connection first, so the PING dials a new one (links.py,
+        :data:`~.core.links.FRESH_CONNECTION_EVERY`)."""
+        self.stats["fresh_connections"] += 1
+        log.debug("member %s: no answer over our connection; dialling a fresh one",
+                  peer_id_to_b58(peer)[-8:])
+        await self.host.disconnect(peer)
+        m = self.membership
+        send = m.ping(peer) if m is not None else None
+        if send is not None:
+            self.stats["link_checks"] += 1
+            self._reopen.add(peer)  # the member's outbound stream went with the connection
+            self._dispatch([send])
 
     def _after_change(self) -> None:
         """Apply the state machine's events to the health table."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .membership import ALIVE, PROBE_INTERVAL_S, SUSPECT
 
-__all__ = ["LinkView", "MAX_CHECKS_PER_TICK", "MAX_CHECK_BACKOFF"]
+__all__ = ["LinkView", "MAX_CHECKS_PER_TICK", "MAX_CHECK_BACKOFF", "FRESH_CONNECTION_EVERY"]
 
 #: direct link checks started by one call of :meth:`LinkView.due` (a tick): a mesh that
 #: loses many members at once costs this many extra PINGs per period, not one per member
@@ -41,6 +41,11 @@ MAX_CHECKS_PER_TICK = 4
 #: periods between checks of an ALIVE member that keeps not answering us: long enough to
 #: cost little, short enough that a re-reachable peer is back within a probe round or so
 MAX_CHECK_BACKOFF = 8
+#: every this many direct checks a member leaves unanswered, the shell drops its connection
+#: to it and dials a fresh one for the check: a connection wedged on either side (seen
+#: after a 20 s SIGSTOP at N=32: streams opened and never written) answers nothing, however
+#: many new streams it carries
+FRESH_CONNECTION_EVERY = 2
 
 
 @dataclass
@@ -97,6 +102,13 @@ class LinkView:
             link.next_check_at = min(link.next_check_at, now)
         self._not_up.add(peer)
         return news
+
+    def wants_fresh_connection(self, peer: bytes) -> bool:
+        """Whether the check :meth:`due` just returned for ``peer`` should go over a fresh
+        connection (:data:`FRESH_CONNECTION_EVERY`)."""
+        link = self._links.get(peer)
+        return (link is not None and link.silent_checks >= FRESH_CONNECTION_EVERY
+                and link.silent_checks % FRESH_CONNECTION_EVERY == 0)
 
     def state_changed(self, peer: bytes, state: str, now: float) -> None:
         """The membership's state of ``peer`` changed (ALIVE, SUSPECT or DEAD)."""

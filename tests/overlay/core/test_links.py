@@ -6,7 +6,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixmesh.overlay.core.links import MAX_CHECK_BACKOFF, MAX_CHECKS_PER_TICK, LinkView
+from prefixmesh.overlay.core.links import (
+    FRESH_CONNECTION_EVERY,
+    MAX_CHECK_BACKOFF,
+    MAX_CHECKS_PER_TICK,
+    LinkView,
+)
 from prefixmesh.overlay.core.membership import ALIVE, DEAD, PROBE_INTERVAL_S, SUSPECT
 
 PEERS = [bytes([i]) for i in range(8)]
@@ -63,6 +68,21 @@ def test_an_alive_member_that_stays_silent_is_checked_with_backoff():
 ops = st.lists(st.tuples(st.sampled_from(["track", "forget", "answered", "failed",
                                           "alive", "suspect", "dead", "due"]),
                          st.sampled_from(PEERS)), max_size=60)
+
+
+def test_every_second_unanswered_check_goes_over_a_fresh_connection():
+    v = LinkView()
+    v.track(b"p")
+    fresh = []
+    for t in range(200):
+        for peer in v.due(t * 0.5, lambda p: ALIVE):
+            fresh.append(v.wants_fresh_connection(peer))
+    assert FRESH_CONNECTION_EVERY == 2
+    assert fresh[:6] == [False, True, False, True, False, True]
+    v.answered(b"p")  # an answer resets the count: the connection works
+    v.failed(b"p", 200.0)
+    assert v.due(200.0, lambda p: ALIVE) == [b"p"] and not v.wants_fresh_connection(b"p")
+    assert not v.wants_fresh_connection(b"unknown")
 
 
 @settings(max_examples=400, deadline=None)
