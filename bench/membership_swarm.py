@@ -26,6 +26,16 @@ entry node at random) in a second window after the idle one: a seeded prompt of 
 32-token suffix, so holders are found and new prefixes are cached (digest deltas). The
 TCP payload then includes the requests' own traffic (tokens to the client, forwards);
 the frame counts do not.
+
+``--thaw S`` then freezes the middle node with SIGSTOP for S seconds and, from its SIGCONT
+on, reads that node's own PEERS view every second for at most ``--watch`` s: how long
+until it holds every other node up again for good (``thaw_rejoin_s``: from then on
+through the end of the watch, which stops once that has lasted 15 s; null if not all up
+at the end), the fewest it held up meanwhile (``thaw_min_up``) and how many at the end
+(``thaw_up_at_end``)::
+
+    python -m prefixmesh.bench.membership_swarm --nodes 32 --membership swim \
+        --start-batch 4 --idle 10 --thaw 20 --watch 90
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,6 +60,8 @@ from .swarm import _sent_by_pid, _socket_bytes
 SETTLE_S = 3.0
 START_TIMEOUT_S = 300.0
 SWIM_SEEDS = 4  # bootstrap peers of a SWIM node: the first node and the last 3 started
+#: --thaw: how long the thawed node's view must stay all-up before the watch ends early
+THAW_STABLE_S = 15.0
 PROMPT_TOKENS = 160  # 10 blocks: past the partition key's 4th block
 SUFFIX_TOKENS = 32
 DIGEST_SETTLE_S = 10.0  # after the mesh formed, before the window: seeded records spread
@@ -238,10 +251,46 @@ def _window(nodes: list[_Node], seconds: float, rate: float, prefixes: int,
     return out
 
 
+def _up_count(node: _Node) -> int:
+    try:
+        return sum(1 for p in trio.run(_peers, node.addr).peers if p.up)
+    except Exception:  # noqa: BLE001 - not answering (yet): nobody up as far as we know
+        return 0
+
+
+def _thaw(nodes: list[_Node], freeze_s: float, watch_s: float) -> dict:
+    """SIGSTOP the middle node for ``freeze_s``, then watch its own view (module docstring).
+    Right after SIGCONT the node still shows its view from before the freeze, so the rejoin
+    is when its view became all-up *for good*: all-up from then to the end of the watch,
+    which ends early once that has held for :data:`THAW_STABLE_S`."""
+    node = nodes[len(nodes) // 2]
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(freeze_s)
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+    t0 = time.monotonic()
+    all_up_since: float | None = None
+    up = min_up = len(nodes) - 1
+    while (now := time.monotonic()) - t0 < watch_s:
+        up = _up_count(node)
+        min_up = min(min_up, up)
+        if up < len(nodes) - 1:
+            all_up_since = None
+        elif all_up_since is None:
+            all_up_since = now
+        elif now - all_up_since >= THAW_STABLE_S:
+            break
+        time.sleep(1.0)
+    return {"thaw_freeze_s": freeze_s,
+            "thaw_rejoin_s": None if all_up_since is None else round(all_up_since - t0, 1),
+            "thaw_min_up": min_up, "thaw_up_at_end": up, "thaw_watch_s": watch_s}
+
+
 def measure(n: int, membership: str, idle_s: float, mesh_timeout_s: float, *,
             digests: bool = False, partitions: int = 0, prefixes: int = 0,
             rate: float = 0.0, seed: int = 1, refresh_s: float = 0.0,
-            start_batch: int = 1) -> list[dict]:
+            start_batch: int = 1, thaw_s: float = 0.0, watch_s: float = 90.0) -> list[dict]:
     """An idle window, then (``rate`` > 0) a loaded one, on one swarm: one dict each."""
     root = Path(tempfile.mkdtemp(prefix=f"pm-membership-{membership}-"))
     nodes: list[_Node] = []
@@ -277,6 +326,8 @@ def measure(n: int, membership: str, idle_s: float, mesh_timeout_s: float, *,
         rows = [{**head, **_window(nodes, idle_s, r, prefixes, rng)}
                 for r in ([0.0, rate] if rate > 0 else [0.0])]
         rows[-1]["still_all_up"] = _all_up(nodes)
+        if thaw_s > 0:
+            rows[-1].update(_thaw(nodes, thaw_s, watch_s))
         return rows
     finally:
         for nd in nodes:
@@ -303,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="nodes started at once after the first (1: one by one)")
     p.add_argument("--refresh", type=float, default=0.0,
                    help="with --digests: [digest] refresh_interval_s (ttl 3x; 0: the default)")
+    p.add_argument("--thaw", type=float, default=0.0,
+                   help="then SIGSTOP the middle node this many s and time its rejoin")
+    p.add_argument("--watch", type=float, default=90.0,
+                   help="with --thaw: how long to watch the thawed node's view (s)")
     p.add_argument("--node", help=argparse.SUPPRESS)  # child process: run one node
     a = p.parse_args(argv)
     if a.node:
@@ -310,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in a.membership.split(","):
         for row in measure(a.nodes, m.strip(), a.idle, a.mesh_timeout, digests=a.digests,
                            partitions=a.partitions, prefixes=a.prefixes, rate=a.rate,
-                           seed=a.seed, refresh_s=a.refresh, start_batch=a.start_batch):
+                           seed=a.seed, refresh_s=a.refresh, start_batch=a.start_batch,
+                           thaw_s=a.thaw, watch_s=a.watch):
             print(json.dumps(row), flush=True)
     return 0
 

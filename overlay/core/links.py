@@ -44,8 +44,10 @@ MAX_CHECK_BACKOFF = 8
 #: every this many direct checks a member leaves unanswered, the shell drops its connection
 #: to it and dials a fresh one for the check: a connection wedged on either side (seen
 #: after a 20 s SIGSTOP at N=32: streams opened and never written) answers nothing, however
-#: many new streams it carries
-FRESH_CONNECTION_EVERY = 2
+#: many new streams it carries. 4 (the 4th check comes 7 periods after the first): with 2,
+#: members that were merely slow to answer on a loaded machine lost their connections too,
+#: and a 32-node mesh took 25-36 s to form instead of 10 (docs/SCALING.md)
+FRESH_CONNECTION_EVERY = 4
 
 
 @dataclass

@@ -2,8 +2,8 @@
 and waits for their mesh (one node alone took ~7 s wall on this 2-core machine under load,
 two ~9 s, and a useful swarm is 8+ nodes for minutes: docs/SCALING.md), so its windows are
 a benchmark, not a test. Checked here: the seeded prompts (distinct per node and request
-from the first block, reproducible, past the partition key's blocks) and the command
-line."""
+from the first block, reproducible, past the partition key's blocks), the command line,
+and one small real run of the thaw mode (4 nodes, a 3 s freeze)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,20 @@ def test_command_line(capsys):
         membership_swarm.main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--nodes", "--membership", "--idle", "--digests", "--partitions", "--rate"):
+    for flag in ("--nodes", "--membership", "--idle", "--digests", "--partitions", "--rate",
+                 "--thaw", "--watch"):
         assert flag in out
     with pytest.raises(SystemExit) as info:
         membership_swarm.main(["--nodes", "many"])
     assert info.value.code == 2 and "--nodes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_small_thaw_run_reports_the_thawed_nodes_rejoin():
+    rows = membership_swarm.measure(4, "swim", 1.0, 120.0, start_batch=3, thaw_s=3.0,
+                                    watch_s=90.0)
+    row = rows[-1]
+    assert row["mesh_formed"] and row["thaw_freeze_s"] == 3.0
+    assert row["thaw_up_at_end"] == 3  # the thawed node holds the other three up again
+    assert 0 <= row["thaw_min_up"] <= 3
+    assert row["thaw_rejoin_s"] is not None and row["thaw_rejoin_s"] <= 90.0
