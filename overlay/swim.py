@@ -26,7 +26,8 @@ ours it answered only through others (no direct ACK within :data:`DIRECT_GRACE_S
 our local health multiplier plus one), a
 message we could not send it, no connection left to it. A member that is not up for us is
 PINGed directly (re-dialled with its newest addresses, the ones it spread itself first)
-each period or with backoff, until it answers. Flap rule: a SUSPECT that answers such a
+each period or with backoff, until it answers; every 4th such PING left unanswered goes
+over a fresh connection (the old one may be wedged below the streams: docs/SCALING.md). Flap rule: a SUSPECT that answers such a
 PING is up again at once (and an ALIVE one when its refutation arrives), so a peer that
 freezes and thaws is used while it runs. A SUSPECT that has not answered us since it was
 suspected is not up (routing stops choosing it, in-flight forwards to it are abandoned);

@@ -21,7 +21,9 @@ the rest:
   alive one after each failure and then with backoff while it stays silent
   (:data:`MAX_CHECK_BACKOFF` periods at most), never more than
   :data:`MAX_CHECKS_PER_TICK` at once. Members whose link is good are probed only by the
-  round, so the extra traffic is bounded by the members we lost, not by N.
+  round, so the extra traffic is bounded by the members we lost, not by N. Every
+  :data:`FRESH_CONNECTION_EVERY`-th check a member leaves unanswered goes over a fresh
+  connection (:meth:`LinkView.wants_fresh_connection`): the shell drops the old one first.
 
 Pure (times come in as ``now``); the node's shell is ``overlay/swim.py``.
 """
