@@ -131,13 +131,13 @@ async def _peers(addr: str):
             return await c.peers()
 
 
+def _up_peers(node: _Node) -> int:
+    """How many peers ``node``'s own PEERS view holds up."""
+    return sum(1 for p in trio.run(_peers, node.addr).peers if p.up)
+
+
 def _all_up(nodes: list[_Node]) -> bool:
-    n = len(nodes)
-    for nd in nodes:
-        reply = trio.run(_peers, nd.addr)
-        if sum(1 for p in reply.peers if p.up) < n - 1:
-            return False
-    return True
+    return all(_up_peers(nd) >= len(nodes) - 1 for nd in nodes)
 
 
 def _frame_bytes(nodes: list[_Node]) -> list[tuple[int, ...]]:
@@ -253,7 +253,7 @@ def _window(nodes: list[_Node], seconds: float, rate: float, prefixes: int,
 
 def _up_count(node: _Node) -> int:
     try:
-        return sum(1 for p in trio.run(_peers, node.addr).peers if p.up)
+        return _up_peers(node)
     except Exception:  # noqa: BLE001 - not answering (yet): nobody up as far as we know
         return 0
 

@@ -436,18 +436,23 @@ class Swim(Liveness):
                     and self._nursery is not None):
                 self._nursery.start_soon(self._check_over_fresh_connection, peer)
                 continue
-            send = m.ping(peer)
-            if send is not None:
-                self.stats["link_checks"] += 1
-                self._dispatch([send])
+            self._ping(peer, "link_checks")
         busy = sorted((h.figures_at, p) for p, h in self.health.items()
                       if h.up and h.figures_at is not None and h.queue_depth + h.active > 0
                       and now - h.figures_at >= mb.PROBE_INTERVAL_S)
         for _, peer in busy[:BUSY_REFRESHES_PER_TICK]:
-            send = m.ping(peer)
-            if send is not None:
-                self.stats["busy_refreshes"] += 1
-                self._dispatch([send])
+            self._ping(peer, "busy_refreshes")
+
+    def _ping(self, peer: bytes, counter: str) -> bool:
+        """A direct PING of ours to ``peer`` (counted under ``counter``); False when the
+        state machine has none to send."""
+        m = self.membership
+        send = m.ping(peer) if m is not None else None
+        if send is None:
+            return False
+        self.stats[counter] += 1
+        self._dispatch([send])
+        return True
 
     async def _check_over_fresh_connection(self, peer: bytes) -> None:
         """A direct check of a member that left our checks unanswered over the connection
@@ -457,12 +462,8 @@ class Swim(Liveness):
         log.debug("member %s: no answer over our connection; dialling a fresh one",
                   peer_id_to_b58(peer)[-8:])
         await self.host.disconnect(peer)
-        m = self.membership
-        send = m.ping(peer) if m is not None else None
-        if send is not None:
-            self.stats["link_checks"] += 1
+        if self._ping(peer, "link_checks"):
             self._reopen.add(peer)  # the member's outbound stream went with the connection
-            self._dispatch([send])
 
     def _after_change(self) -> None:
         """Apply the state machine's events to the health table."""
