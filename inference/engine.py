@@ -111,6 +111,7 @@ from .core.blocks import chain_hashes, derive_namespace_key, namespace_id
 from .core.cells import CellLedger
 from .kvstore import FINGERPRINT_BYTES, KVStore, Lease, StoreChange
 from .model import GGUFError, cache_dir, read_gguf_info, resolve_model
+from .options import BATCH_MODES, KV_TYPES
 
 __all__ = [
     "Namespace",
@@ -138,9 +139,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# KV cache element types offered (GGML type ids); see docs/bench/engine.md for measurements
-KV_TYPES = {"f16": 1, "q8_0": 8, "q5_1": 7, "q5_0": 6, "q4_1": 3, "q4_0": 2}
-
 # Sequence 0 serves requests; sequence 1 is scratch for moving segment states in and out
 # (a unified KV cache, so llama_memory_seq_cp between them only relabels cells).
 _N_SEQ = 2
@@ -164,7 +162,6 @@ _COPY_OVER_RESTORE_TOKENS = 16
 # 136-token ones a cycled request 2.2x slower (measured, docs/bench/engine.md sections 7
 # and 8; bench_residents) for prefixes the RAM tier restores in ~2-10 ms
 _RESIDENT_SEQUENCES = 1
-BATCH_MODES = ("deterministic", "throughput")
 
 MAX_TOP_LOGPROBS = 20
 _EWMA_ALPHA = 0.3

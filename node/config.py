@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.inference.engine import BATCH_MODES, KV_TYPES
+from prefixmesh.inference.options import BATCH_MODES, KV_TYPES
 from prefixmesh.overlay.core.limits import (
     MAX_PEERS_PER_SUBNET,
     PEER_REQUEST_BURST,

@@ -226,6 +226,20 @@ def test_gguf_fingerprint_depends_on_metadata(tmp_path):
     assert read_gguf_info(altered).fingerprint != info.fingerprint
 
 
+def test_gguf_header_is_parsed_once_until_the_file_changes(tmp_path):
+    src = shared_model_path()
+    info = read_gguf_info(src)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(src.read_bytes()[: info.header_bytes])
+    first = read_gguf_info(copy)
+    assert read_gguf_info(copy) is first  # unchanged: the memo
+    head = bytearray(copy.read_bytes())
+    head[head.find(b"helpful AI assistant")] ^= 0x20
+    copy.write_bytes(bytes(head) + b"\0")  # another header, another size
+    again = read_gguf_info(copy)
+    assert again is not first and again.fingerprint != first.fingerprint
+
+
 @pytest.mark.parametrize(
     "content, match",
     [
