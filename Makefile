@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -e '.[dev,bench]'
+	@# an editable install compiles nothing (pip compiles a regular install's files); where
+	@# PYTHONDONTWRITEBYTECODE is set, every node start would compile our sources again
+	@# (0.25 s of its 1.2 s start, docs/bench/engine.md)
+	$(BIN)/python -m compileall -q prefixmesh node overlay inference bench > /dev/null
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -71,12 +71,12 @@ EXCHANGE_KEYS = ("digest_exchanges_ok", "digest_exchanges_in_sync")
 
 
 def _node_main(config_path: str, membership: str, digests: bool) -> int:
-    from prefixmesh.node import daemon
+    from prefixmesh.node import launch, process
     from prefixmesh.node.config import load_config
 
-    options = daemon.NodeOptions(backend="sim", digest=digests, dht=False,
+    options = process.NodeOptions(backend="sim", digest=digests, dht=False,
                                  membership=membership)
-    return daemon.run_node(load_config(config_path), options)
+    return launch.run_node(load_config(config_path), options)
 
 
 class _Node:

@@ -1,8 +1,8 @@
 """Benchmark node entry point: ``python -m prefixmesh.bench.node_entry --config FILE [...]``.
 
 Starts a node the way ``prefixmesh node --config FILE`` does (``load_config`` then the
-daemon's ``run_node``): every node setting comes from the config file. The flags here are
-the harness switches that are not operator settings (``node.daemon.NodeOptions``):
+launcher's ``run_node``, ``node/launch.py``): every node setting comes from the config file. The flags here are
+the harness switches that are not operator settings (``node.process.NodeOptions``):
 
 - ``--policy NAME`` may also name a baseline of ``bench/policies.py`` (``paper``,
   ``round-robin``, ...), which the node's own config refuses: the daemon's policy
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.node import daemon
+from prefixmesh.node import daemon, launch, process
 
 from .policies import POLICY_NAMES, make_policy
 
@@ -85,12 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"node_entry: --link-delay-ms: {exc}", file=sys.stderr)
             return 2
         log.warning("BENCHMARK-ONLY LINK DELAY ACTIVE: %g ms per frame sent", a.link_delay_ms)
-    options = daemon.NodeOptions(digest=not a.no_digest, dht=not a.no_dht, backend=a.backend,
+    options = process.NodeOptions(digest=not a.no_digest, dht=not a.no_dht, backend=a.backend,
                                  sim_prefill_tps=a.sim_prefill_tps,
                                  sim_decode_tps=a.sim_decode_tps, seed=a.seed,
                                  membership=a.membership)
     with contextlib.suppress(KeyboardInterrupt):
-        return daemon.run_node(config, options)
+        return launch.run_node(config, options)
     return 130
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -128,8 +129,14 @@ class BackendLoad:
 @runtime_checkable
 class Backend(Protocol):
     model_fingerprint: bytes
+    # time.monotonic() when the load began (begin_load, or load itself), None before
+    load_began: float | None
 
-    async def load(self) -> None: ...
+    def begin_load(self) -> None:
+        """Start loading without waiting (the node's launcher: ``node/launch.py``)."""
+
+    async def load(self) -> None:
+        """Load, or wait for the load :meth:`begin_load` started; raises what it raised."""
 
     async def aclose(self) -> None: ...
 
@@ -211,6 +218,11 @@ class SimulatedBackend:
     def _evicted(self, entry) -> None:
         ns, tokens = entry.payload
         self._event("remove", ns, tokens)
+
+    load_began: float | None = None  # nothing to load
+
+    def begin_load(self) -> None:
+        return None
 
     async def load(self) -> None:
         return None
@@ -311,6 +323,10 @@ class LlamaBackend:
         self.model_path = resolve_model(path, progress=False)
         self.model_fingerprint: bytes = read_gguf_info(self.model_path).fingerprint
         self.engine = None
+        self._loader: threading.Thread | None = None  # begin_load's
+        self.load_began: float | None = None
+        self._built = None  # the engine the loader built, until load() takes it
+        self._load_error: BaseException | None = None
         self._events: deque[CacheEvent] = deque()
         self._namespaces: dict[bytes, object] = {}
         self._pending_ns: list[tuple[str, bytes, bytes]] = []
@@ -329,14 +345,35 @@ class LlamaBackend:
         cfg = getattr(self.engine, "config", None)
         return getattr(cfg, "batch_mode", "deterministic") == "throughput"
 
+    def begin_load(self) -> None:
+        """Start building the engine (model load, KV cache index) in a thread now; :meth:`load`
+        waits for it. The node's launcher calls this before it imports the overlay, so the
+        two overlap (``node/launch.py``). Idempotent."""
+        if self._loader is not None:
+            return
+
+        def build() -> None:
+            try:
+                # imported here: llama_cpp's import is part of the load (0.1 s)
+                from prefixmesh.inference.engine import Engine
+
+                self._built = Engine(self._engine_config, model_path=self.model_path, **{
+                    k: v for k, v in self._engine_overrides.items() if k != "model_path"})
+            except BaseException as exc:  # handed to load(), which raises it in its caller
+                self._load_error = exc
+
+        # a daemon thread: a start-up cut short (a signal exits at once) must not wait on it
+        self._loader = threading.Thread(target=build, name="prefixmesh-engine-load", daemon=True)
+        self.load_began = time.monotonic()
+        self._loader.start()
+
     async def load(self) -> None:
-        from prefixmesh.inference.engine import Engine
-
-        def build():
-            return Engine(self._engine_config, model_path=self.model_path, **{
-                k: v for k, v in self._engine_overrides.items() if k != "model_path"})
-
-        self.engine = await trio.to_thread.run_sync(build)
+        self.begin_load()
+        await trio.to_thread.run_sync(self._loader.join)
+        if self._load_error is not None:
+            exc, self._load_error = self._load_error, None
+            raise exc
+        self.engine, self._built = self._built, None
         self.engine.set_event_callback(self._on_cache_event)
         for name, key, ns_id in self._pending_ns:
             self._register(name, key, ns_id)
@@ -360,6 +397,10 @@ class LlamaBackend:
         self.engine.register_namespace(ns)
 
     async def aclose(self) -> None:
+        if self._loader is not None and self.engine is None and self._load_error is None:
+            # a load begun and never awaited (a start that failed after begin_load)
+            await trio.to_thread.run_sync(self._loader.join)
+            self.engine, self._built = self._built, None
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await trio.to_thread.run_sync(lambda: engine.close(flush=True, timeout=30))

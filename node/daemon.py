@@ -44,7 +44,8 @@ in per-mille as ``trust_<last 8 chars of peer id>``. The forwarded-share cap
 (``[routing].share_cap``, default off): ``overlay.core.limits.ForwardShareLimiter``.
 
 Start: ``prefixmesh node --config FILE`` (``prefixmesh/cli.py``) loads the config and calls
-:func:`run_node`; so do the benchmark and test entry points (``bench/node_entry.py``,
+``node/launch.py``'s ``run_node``, which begins the engine's load before it imports this
+module; so do the benchmark and test entry points (``bench/node_entry.py``,
 ``tests/_fault_node.py``), with a config file too, adding only harness switches
 (:class:`NodeOptions`: a simulated engine, a baseline policy, a benchmark link delay,
 test-only fault injection that wraps the engine in a misbehaving Backend).
@@ -60,16 +61,15 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
-from prefixmesh.inference.backend import Backend, BackendError, LlamaBackend, SimulatedBackend
+from prefixmesh.inference.backend import Backend
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.antientropy import AntiEntropy
 from prefixmesh.overlay.core.digest import LoadFigures
-from prefixmesh.overlay.core.identity import Identity, KeyFileNotFound, peer_id_to_b58
+from prefixmesh.overlay.core.identity import Identity, peer_id_to_b58
 from prefixmesh.overlay.core.limits import ForwardShareLimiter, InboundSubnetCap
 from prefixmesh.overlay.core.models import ModelEntry, catalog, model_name_from_path
 from prefixmesh.overlay.core.partition import PartitionConfig, PartitionedDigest
@@ -86,13 +86,8 @@ from prefixmesh.overlay.events import ObserverFanout
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat, Liveness
 from prefixmesh.overlay.holepunch import HolePunchService
-from prefixmesh.overlay.host import (
-    HostError,
-    OverlayHost,
-    check_listen_addrs_free,
-)
+from prefixmesh.overlay.host import OverlayHost, check_listen_addrs_free, lone_exception
 from prefixmesh.overlay.infer import InferService, InferSettings
-from prefixmesh.overlay.keyfile import load_identity, save_identity
 from prefixmesh.overlay.partgossip import PartitionGossip
 from prefixmesh.overlay.relay import (
     NatRoles,
@@ -103,29 +98,20 @@ from prefixmesh.overlay.relay import (
 from prefixmesh.overlay.swim import Swim
 from prefixmesh.overlay.upnp import PortMapper
 
+from . import process
 from .http_gateway import serve_node_http
-from .locks import LockError, lock_cache_dir, lock_key_file
-from .logsetup import configure_logging
 from .peers_service import PeersService
+from .process import NodeOptions, exit_now
 from .requestlog import RequestLog
 from .tenants import TenantRegistry
 
-__all__ = ["NodeOptions", "Node", "run_node"]
+__all__ = ["NodeOptions", "Node"]
 
 log = logging.getLogger("prefixmesh.node")
 
 #: seconds from SIGINT/SIGTERM to the process's exit, at most (module docstring)
 SHUTDOWN_BUDGET_S = 3.0
 _INFLIGHT_GRACE_S = 1.0  # of the budget: for in-flight requests to send their ERROR frame
-
-
-def _exit_now(status: int, why: str, level: int = logging.WARNING) -> None:
-    """Leave the process immediately (no cleanup can hang it), after saying why."""
-    with contextlib.suppress(Exception):
-        log.log(level, "%s", why)
-        sys.stderr.flush()
-        sys.stdout.flush()
-    os._exit(status)
 
 
 def _start_exit_watchdog(armed: threading.Event, budget_s: float) -> None:
@@ -137,70 +123,9 @@ def _start_exit_watchdog(armed: threading.Event, budget_s: float) -> None:
     def watch() -> None:
         armed.wait()
         time.sleep(budget_s)
-        _exit_now(0, f"shutdown did not finish within {budget_s:.1f} s: exiting now")
+        exit_now(0, f"shutdown did not finish within {budget_s:.1f} s: exiting now")
 
     threading.Thread(target=watch, name="prefixmesh-exit-watchdog", daemon=True).start()
-
-
-@dataclass
-class NodeOptions:
-    """Harness switches of tests and benchmarks, not operator settings (those are all in
-    the config file, ``node/config.py``); ``prefixmesh node`` uses the defaults."""
-
-    digest: bool = True  # run the digest exchange (off: no peer knows our cache)
-    dht: bool = True  # Kademlia DHT discovery
-    backend: str = "llama"  # "llama" | "sim"
-    sim_prefill_tps: float = 0.0
-    sim_decode_tps: float = 0.0
-    # who is up: "swim" (overlay/swim.py, O(1) messages per node per period; the default)
-    # or "heartbeat" (all-to-all pings, overlay/heartbeat.py: the measured baseline,
-    # ``node_entry --membership heartbeat``); docs/SCALING.md. The interval/timeout are
-    # the heartbeat's.
-    membership: str = "swim"
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 1.5
-    print_addrs: bool = True
-    seed: int | None = None  # gossip peer choice and spot-check draws (None: random)
-
-
-def _load_or_create_identity(path: Path) -> Identity:
-    try:
-        return load_identity(path)
-    except KeyFileNotFound:
-        identity = Identity.generate()
-        save_identity(identity, path)
-        # never silent: a key file that went missing means this node is someone new now
-        log.warning("no key file at %s: created a new identity there, peer id %s "
-                    "(keep the file to keep this identity)", path, identity.peer_id_b58)
-        return identity
-
-
-def _make_backend(config, options: NodeOptions) -> Backend:
-    if options.backend == "sim":
-        return SimulatedBackend(
-            prefill_tps=options.sim_prefill_tps,
-            decode_tps=options.sim_decode_tps,
-            capacity_bytes=config.node.ram_budget,
-        )
-    from prefixmesh.inference.model import resolve_model
-
-    return LlamaBackend(
-        # the default model is fetched here with pip's progress on stderr (a first start
-        # downloads 93 MB: silence would look like a hang)
-        model_path=config.model.path or resolve_model(None, progress=True),
-        n_ctx=config.model.n_ctx,
-        n_threads=config.model.n_threads or None,
-        n_gpu_layers=config.model.n_gpu_layers,
-        kv_dir=config.node.cache_dir,
-        ram_budget_bytes=config.node.ram_budget,
-        disk_budget_bytes=config.node.disk_budget,
-        write_delay_s=config.node.kv_write_delay_s,
-        type_k=config.model.kv_type_k,
-        type_v=config.model.kv_type_v,
-        flash_attn=config.model.flash_attn,
-        live_sequence=config.model.live_sequence,
-        batch_mode=config.model.batch_mode,
-    )
 
 
 def _warn_cpu_only_offload(n_gpu_layers: int, backend: str) -> None:
@@ -216,10 +141,12 @@ def _warn_cpu_only_offload(n_gpu_layers: int, backend: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _progress(what: str, logger: logging.Logger, every_s: float = 2.0):
+async def _progress(what: str, logger: logging.Logger, every_s: float = 2.0,
+                    already_s: float = 0.0):
     """Log ``what ...`` and, while it lasts, ``still WHAT (N s)`` every ``every_s``; the
-    operator of a node that is slow to start sees why (model load, KV file checks)."""
-    t0 = trio.current_time()
+    operator of a node that is slow to start sees why (model load, KV file checks).
+    ``already_s``: how long the step ran before this wait began (the times count it)."""
+    t0 = trio.current_time() - already_s
     logger.info("%s ...", what)
 
     async def tick() -> None:
@@ -227,12 +154,20 @@ async def _progress(what: str, logger: logging.Logger, every_s: float = 2.0):
             await trio.sleep(every_s)
             logger.info("still %s (%.0f s)", what, trio.current_time() - t0)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(tick)
-        try:
-            yield
-        finally:
-            nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick)
+            try:
+                yield
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # the step's own error, not the group the nursery wrapped it in: a model that
+        # fails to load is a one-line error, not an "internal error"
+        lone = lone_exception(group)
+        if lone is None:
+            raise
+        raise lone from None
     logger.info("%s: done in %.1f s", what, trio.current_time() - t0)
 
 
@@ -241,8 +176,8 @@ class Node:
                  identity: Identity | None = None, backend: Backend | None = None):
         self.config = config
         self.options = options or NodeOptions()
-        self.identity = identity or _load_or_create_identity(config.node.key_file)
-        self.backend = backend or _make_backend(config, self.options)
+        self.identity = identity or process.load_or_create_identity(config.node.key_file)
+        self.backend = backend or process.make_backend(config, self.options)
         self.model_fp = self.backend.model_fingerprint
         # the name this node announces for its model (core/models.py: the file's stem)
         self.model_name = model_name_from_path(getattr(self.backend, "model_path", None),
@@ -447,7 +382,9 @@ class Node:
 
     async def _run(self, task_status) -> None:
         _warn_cpu_only_offload(self.config.model.n_gpu_layers, self.options.backend)
-        async with _progress("loading the model and checking the KV cache", log):
+        began = self.backend.load_began  # the launcher began it before the imports
+        async with _progress("loading the model and checking the KV cache", log,
+                             already_s=time.monotonic() - began if began is not None else 0.0):
             await self.backend.load()
         for tenant in self.tenants:
             self.backend.register_namespace(tenant.name, tenant.namespace_key, tenant.ns_id)
@@ -644,9 +581,9 @@ class Node:
             self.signalled = True
             received.append(signum)
             if not self.started.is_set():
-                _exit_now(130, f"signal {signum} during start-up: exiting now")
+                exit_now(130, f"signal {signum} during start-up: exiting now")
             if len(received) > 1:
-                _exit_now(130, f"signal {signum} again: exiting now")
+                exit_now(130, f"signal {signum} again: exiting now")
             armed.set()
             token.run_sync_soon(self._stop_requested.set)
 
@@ -746,48 +683,3 @@ class Node:
             for peer in sorted(trust.peers())[:32]:
                 out[f"trust_{peer_id_to_b58(peer)[-8:]}"] = round(1000 * trust.trust(peer, mono))
         return {k[: wire.MAX_SHORT_STRING]: max(0, v) for k, v in list(out.items())[:256]}
-
-def run_node(config, options: NodeOptions | None = None) -> int:
-    """Run a node until SIGINT/SIGTERM (the CLI's ``prefixmesh node``)."""
-    # one line per record; py-libp2p's routine peer failures at DEBUG (node/logsetup.py)
-    configure_logging(config.node.log_level, getattr(config.node, "log_format", "text"))
-    from prefixmesh.inference.model import ModelFetchError
-    from prefixmesh.overlay.core.identity import IdentityError
-
-    locks = []
-    failed = True
-    try:
-        # before the key is read or created: two nodes started at once cannot both
-        # create (or both use) one identity; the cache dir lock also names a cache dir
-        # that is a file. Held until the process exits (the kernel drops flocks).
-        locks.append(lock_key_file(config.node.key_file))
-        locks.append(lock_cache_dir(config.node.cache_dir))
-        check_listen_addrs_free([config.node.listen])
-        node = Node(config, options)
-
-        async def main() -> None:
-            await node.run()
-
-        trio.run(main)
-        failed = False
-    except (IdentityError, ModelFetchError, BackendError, OSError, HostError,
-            LockError) as exc:
-        # configuration and environment problems: one clear line, no traceback
-        print(f"prefixmesh node: error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # e.g. the engine refusing the model file
-        if type(exc).__module__.startswith("prefixmesh.inference"):
-            print(f"prefixmesh node: error: {exc}", file=sys.stderr)
-            return 1
-        raise
-    finally:
-        for lock in reversed(locks):
-            # a start that failed leaves no lock files or folders of its own behind
-            lock.undo() if failed else lock.release()
-    if node.signalled:
-        # told to stop and everything is closed: skip the interpreter's own teardown
-        # (libraries' atexit hooks and finalizers took 5 s on a loaded machine, after
-        # the 3 s budget, where the watchdog thread can no longer run)
-        took = time.monotonic() - node._stop_t0 if node._stop_t0 is not None else 0.0
-        _exit_now(0, f"stopped in {took:.2f} s", logging.INFO)
-    return 0

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import IO
 
 __all__ = ["LIBRARIES", "LOG_FORMATS", "LibraryFilter", "OneLineFormatter", "JsonFormatter",
-           "configure_logging", "fold"]
+           "configure_logging", "adopt_library_loggers", "fold"]
 
 LIBRARIES = ("libp2p", "multiaddr", "zeroconf", "async_service", "anyio")
 LOG_FORMATS = ("text", "json")
@@ -126,12 +126,9 @@ class JsonFormatter(logging.Formatter):
 def configure_logging(level: str = "info", fmt: str = "text",
                       stream: IO[str] | None = None) -> logging.Handler:
     """Route every log record of the process to one handler on ``stream`` (stderr);
-    returns the handler. Call after py-libp2p was imported (its import resets its
-    loggers)."""
-    try:
-        import libp2p  # noqa: F401 - its import runs its logging set-up; ours must come after
-    except ImportError:
-        pass
+    returns the handler. py-libp2p's import resets its loggers: a process that imports it
+    later (the node's launcher, which loads the model meanwhile) calls
+    :func:`adopt_library_loggers` after that import."""
     numeric = getattr(logging, str(level).upper(), logging.INFO)
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
@@ -143,10 +140,18 @@ def configure_logging(level: str = "info", fmt: str = "text",
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric)
+    adopt_library_loggers()
+    return handler
+
+
+def adopt_library_loggers() -> None:
+    """Route the libraries' loggers (:data:`LIBRARIES`) to the root's handler, where
+    :class:`LibraryFilter` keeps them at DEBUG; again after py-libp2p's import, which
+    turns its own off."""
+    numeric = logging.getLogger().level
     for name in LIBRARIES:
         lib = logging.getLogger(name)
         lib.handlers.clear()
         lib.propagate = True
         # below WARNING a library record is not even created unless we show DEBUG
         lib.setLevel(logging.DEBUG if numeric <= logging.DEBUG else logging.WARNING)
-    return handler

@@ -24,11 +24,8 @@ Addresses
     (peers, mDNS in particular, cannot dial 0.0.0.0).
 
 Listen ports
-    py-libp2p listens with ``SO_REUSEPORT``, so a second process bound to a port in use
-    would silently share it (the kernel splits inbound connections between the two, and
-    the dials that land on the wrong node fail their handshake). :meth:`OverlayHost.run`
-    therefore first binds each fixed listen port itself, without ``SO_REUSEPORT``: a port
-    that is taken raises :class:`ListenAddrInUse` (:func:`check_listen_addrs_free`).
+    py-libp2p listens with ``SO_REUSEPORT``: :meth:`OverlayHost.run` first checks each
+    fixed listen port without it (``overlay/ports.py``, :class:`ListenAddrInUse`).
 
 Connections
     ``ConnectionConfig(max_connections_per_peer=1)``: besides bounding resources, it
@@ -58,7 +55,6 @@ Circuits (issue 16)
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import socket
@@ -97,6 +93,7 @@ from .libp2p_guard import (
     install_guards,
     own_dial,
 )
+from .ports import HostError, ListenAddrInUse, check_listen_addrs_free, note_bound
 from .relay import HOP_PROTOCOL, FixedHop, relay_limits
 
 __all__ = [
@@ -126,48 +123,6 @@ STREAM_TIMEOUT_S = 5.0
 #: largest raw (non-CBOR-frame) message on our byte-message protocols (digest exchange)
 MAX_RAW_MESSAGE_BYTES = 1024 * 1024
 _READ_CHUNK = 64 * 1024
-
-
-class HostError(Exception):
-    """Base class of host and stream errors."""
-
-
-class ListenAddrInUse(HostError):
-    """A listen address cannot be bound: its port is taken, or the address is not ours."""
-
-
-#: fixed (host, port) pairs a host of this process listened on: py-libp2p leaves a closed
-#: host's listening socket open, so a later host of the same process (tests) would find
-#: its own port "in use"; the check is about *other* processes
-_bound_here: set[tuple[str, int]] = set()
-
-
-def check_listen_addrs_free(addrs: Sequence[str]) -> None:
-    """Bind each ``/ip4|ip6/HOST/tcp/PORT`` (PORT > 0) briefly *without* SO_REUSEPORT;
-    raises :class:`ListenAddrInUse` naming the address if that fails (module docstring)."""
-    for addr in addrs:
-        parts = str(addr).strip("/").split("/")
-        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
-            continue
-        host, port = parts[1], int(parts[3])
-        if port == 0 or (host, port) in _bound_here:
-            continue  # the kernel picks a free port / our own earlier listener
-        family = socket.AF_INET6 if parts[0] == "ip6" else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            # SO_REUSEADDR (as trio's listeners): a port left in TIME_WAIT by our previous
-            # run is free; on Linux a port another socket LISTENS on still fails to bind
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise ListenAddrInUse(
-                        f"listen address {addr}: TCP port {port} is already in use (another "
-                        "prefixmesh node or program listens there); stop it or choose "
-                        "another port (--listen, [node].listen)"
-                    ) from None
-                raise ListenAddrInUse(f"listen address {addr}: cannot listen there: "
-                                      f"{exc.strerror}") from None
 
 
 class PeerUnreachable(HostError):
@@ -236,7 +191,8 @@ def _expand_unspecified(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Mult
 StreamHandler = Callable[[object], Awaitable[None]]
 
 
-def _lone_exception(group: BaseExceptionGroup) -> BaseException | None:
+def lone_exception(group: BaseExceptionGroup) -> BaseException | None:
+    """The one exception a (nested) group of one holds: what a nursery wrapped; else None."""
     exc: BaseException = group
     while isinstance(exc, BaseExceptionGroup):
         if len(exc.exceptions) != 1:
@@ -398,10 +354,7 @@ class OverlayHost:
         try:
             async with self.libp2p.run(listen_addrs=self._listen), \
                     background_trio_service(self.circuit_stop), trio.open_nursery() as nursery:
-                for a in self._listen:
-                    parts = str(a).strip("/").split("/")
-                    if len(parts) >= 4 and parts[2] == "tcp" and parts[3] != "0":
-                        _bound_here.add((parts[1], int(parts[3])))
+                note_bound([str(a) for a in self._listen])
                 self._nursery = nursery
                 try:
                     yield self
@@ -413,7 +366,7 @@ class OverlayHost:
                         await self._close_connections()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            lone = _lone_exception(group)
+            lone = lone_exception(group)
             if lone is None:
                 raise
             raise lone from None

@@ -106,7 +106,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(config_to_toml(cfg))
         return EXIT_OK
-    run_node = _component("prefixmesh.node.daemon", "run_node", "the node daemon")
+    run_node = _component("prefixmesh.node.launch", "run_node", "the node daemon")
     return int(run_node(cfg) or 0)
 
 

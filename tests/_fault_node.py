@@ -1,7 +1,7 @@
 """Test-only node entry point: ``python tests/_fault_node.py --config FILE [harness flags]``.
 
 Starts a node exactly as the benchmark entry point does (``bench/node_entry.py``: the
-config file, then the daemon's ``run_node``, the same harness flags), except that the
+config file, then the launcher's ``run_node``, the same harness flags), except that the
 environment variable ``PREFIXMESH_FAULT`` wraps the engine in a misbehaving Backend, so
 that swarm tests can show the defences work (``tests/_swarm.py`` starts every node through
 this file). Fault injection lives with the tests that need it, not in the serving path:
@@ -23,7 +23,7 @@ from pathlib import Path
 from prefixmesh.bench import node_entry
 from prefixmesh.inference.backend import CacheEvent, TokenChunk
 from prefixmesh.inference.core.blocks import BLOCK_TOKENS, chain_hashes
-from prefixmesh.node import daemon
+from prefixmesh.node import launch, process
 
 
 class _Wrapping:
@@ -85,17 +85,17 @@ def load_prompts(path: str) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     fault = os.environ.get("PREFIXMESH_FAULT", "")
-    make = daemon._make_backend
+    make = process.make_backend
     if fault == "wrong-tokens":
-        daemon._make_backend = lambda config, options: WrongTokensBackend(make(config, options))
+        process.make_backend = lambda config, options: WrongTokensBackend(make(config, options))
     elif fault == "lie-digest":
         prompts = load_prompts(os.environ.get("PREFIXMESH_FAULT_PROMPTS", ""))
-        daemon._make_backend = lambda config, options: LieDigestBackend(
+        process.make_backend = lambda config, options: LieDigestBackend(
             make(config, options), prompts)
     elif fault:
         raise SystemExit(f"_fault_node.py: unknown PREFIXMESH_FAULT {fault!r}")
     if fault:
-        daemon.log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", fault)
+        launch.log.warning("TEST-ONLY FAULT INJECTION ACTIVE: %s", fault)
     return node_entry.main(argv)
 
 

@@ -9,13 +9,13 @@ import tomllib
 
 from prefixmesh.bench import node_entry
 from prefixmesh.bench.policies import PaperPolicy
-from prefixmesh.node import daemon
+from prefixmesh.node import daemon, launch
 from prefixmesh.overlay.core.routing import RoutingConfig
 
 
 def _capture(monkeypatch) -> dict:
     seen: dict = {}
-    monkeypatch.setattr(daemon, "run_node",
+    monkeypatch.setattr(launch, "run_node",
                         lambda config, options: seen.update(config=config, options=options) or 0)
     monkeypatch.setattr(daemon, "make_policy", daemon.make_policy)  # undone after the test
     return seen

@@ -106,3 +106,48 @@ def test_the_first_chunk_says_the_cached_count_of_the_completion(mode):
         assert chunks[0].cached_tokens == done.cached_tokens
         assert all(c.cached_tokens == -1 for c in chunks[1:])
     assert runs[1][-1].cached_tokens > 0
+
+
+def test_a_load_begun_early_is_the_load_that_load_waits_for():
+    """The launcher's begin_load (node/launch.py): the engine is built in a thread while
+    the caller does other work; load() then only waits for it, and an aclose() of a
+    backend whose load was begun but never awaited closes what the thread built."""
+    kw = dict(model_path=default_model_path(), n_threads=TEST_THREADS, kv_dir=None,
+              disk_budget_bytes=0, n_ctx=512)
+
+    async def main():
+        backend = LlamaBackend(**kw)
+        assert backend.load_began is None
+        backend.begin_load()
+        began, loader = backend.load_began, backend._loader
+        backend.begin_load()  # idempotent: one load
+        assert backend._loader is loader and backend.load_began == began
+        await backend.load()
+        assert backend.engine is not None and backend.context_tokens == 512
+        await backend.aclose()
+        assert backend.engine is None
+
+        abandoned = LlamaBackend(**kw)  # begun, never awaited: a start that failed
+        abandoned.begin_load()
+        await abandoned.aclose()
+        assert not abandoned._loader.is_alive() and abandoned.engine is None
+        assert abandoned._built is None
+
+    trio.run(main)
+
+
+def test_an_early_load_that_fails_raises_in_load(tmp_path):
+    from prefixmesh.inference.engine import ModelLoadError
+    from prefixmesh.inference.model import read_gguf_info
+
+    src = default_model_path()
+    cut = tmp_path / "cut.gguf"  # a whole header (fingerprint readable), no weights
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read(read_gguf_info(src).header_bytes + 1000))
+    backend = LlamaBackend(model_path=cut, n_threads=TEST_THREADS, kv_dir=None,
+                           disk_budget_bytes=0, n_ctx=512)
+    backend.begin_load()
+    with pytest.raises(ModelLoadError, match="could not load"):
+        trio.run(backend.load)
+    assert backend.engine is None
+    trio.run(backend.aclose)  # nothing to close, nothing raised

@@ -465,12 +465,12 @@ def test_digest_partition_keys_bad_values_name_the_key(tmp_path, text, expected)
 def test_engine_keys_reach_the_engine(tmp_path):
     from _model_fixture import default_model_path
 
-    from prefixmesh.node.daemon import NodeOptions, _make_backend
+    from prefixmesh.node.process import NodeOptions, make_backend
 
     cfg = load_config(write(tmp_path, (
         f'[model]\npath = "{default_model_path()}"\nkv_type_k = "q8_0"\nflash_attn = true\n'
         'live_sequence = true\nbatch_mode = "throughput"\n[node]\nkv_write_delay_s = 0.5\n')))
-    backend = _make_backend(cfg, NodeOptions())  # reads the GGUF header only; no load
+    backend = make_backend(cfg, NodeOptions())  # reads the GGUF header only; no load
     o = backend._engine_overrides
     assert (o["type_k"], o["type_v"], o["flash_attn"], o["live_sequence"], o["batch_mode"],
             o["write_delay_s"]) == ("q8_0", "f16", True, True, "throughput", 0.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import trio
 import trio.testing
 
@@ -47,3 +48,39 @@ def test_slow_step_reports_every_two_seconds():
 def test_quick_step_is_two_lines():
     seen = _run(0.5)
     assert len(seen) == 2 and seen[1].startswith("loading the model: done in ")
+
+
+def test_a_step_that_fails_raises_its_own_error_not_a_group():
+    """The ticker's nursery must not wrap the step's error: a model that fails to load is
+    then the node's one-line error, not an "internal error" (tests/node/test_launch.py)."""
+    logger = logging.getLogger("test.progress")
+
+    class StepFailed(Exception):
+        pass
+
+    async def main() -> None:
+        async with _progress("loading the model", logger):
+            await trio.sleep(3.0)
+            raise StepFailed("no weights")
+
+    with pytest.raises(StepFailed, match="no weights"):
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_step_begun_earlier_counts_its_time_from_then():
+    seen: list[str] = []
+    logger = logging.getLogger("test.progress.already")
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+
+    async def main() -> None:
+        async with _progress("loading the model", logger, already_s=0.7):
+            await trio.sleep(0.5)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert seen[-1] == "loading the model: done in 1.2 s"

@@ -14,6 +14,7 @@ from prefixmesh.node.logsetup import (
     JsonFormatter,
     LibraryFilter,
     OneLineFormatter,
+    adopt_library_loggers,
     configure_logging,
     fold,
 )
@@ -93,6 +94,25 @@ def test_configure_logging_routes_libp2p_through_our_handler():
         assert [d["msg"] for d in docs] == ["careful"]
         with pytest.raises(ValueError):
             configure_logging("info", "xml", stream=out)
+    finally:
+        for h in list(logging.getLogger().handlers):
+            logging.getLogger().removeHandler(h)
+
+
+def test_library_loggers_reset_by_an_import_after_the_set_up_are_adopted_again():
+    """py-libp2p's first import turns its loggers off (propagate False, no handler); the
+    launcher configures logging before that import, then adopts them again."""
+    out = io.StringIO()
+    lib = logging.getLogger("libp2p")
+    try:
+        configure_logging("debug", "text", stream=out)
+        lib.propagate, lib.handlers = False, [logging.NullHandler()]  # as libp2p's set-up does
+        logging.getLogger("libp2p.swarm").warning("lost: before")
+        adopt_library_loggers()
+        logging.getLogger("libp2p.swarm").warning("kept: after")
+        lines = out.getvalue().splitlines()
+        assert not any("lost" in ln for ln in lines), lines
+        assert any("DEBUG libp2p.swarm: kept: after" in ln for ln in lines), lines
     finally:
         for h in list(logging.getLogger().handlers):
             logging.getLogger().removeHandler(h)
