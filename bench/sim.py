@@ -1409,7 +1409,14 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests above the mean load a candidate may carry regardless of the "
                         "bound")
     p.add_argument("--entry", default=d.entry, choices=["random", "round-robin", "first"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the simulation's randomness (entry nodes, gossip partners, link "
+                        "jitter, identities) and, unless --workload-seed, the workload's")
+    p.add_argument("--workload-seed", type=int, default=None,
+                   help="the workload's seed alone: for mmlu, 0 is the shared trace itself and "
+                        "any other value regenerates one (mmlu-gen: subjects re-ranked, "
+                        "questions drawn again); --seed S --workload-seed 0 runs the trace "
+                        "under another simulation seed")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
 
 
@@ -1451,7 +1458,8 @@ def run_bench_sim(ns: argparse.Namespace) -> int:
     try:
         wl = load_workload(
             ns.workload, n_requests=ns.requests, shared=ns.shared_dir, tokenizer=ns.tokenizer,
-            alpha=ns.zipf_alpha, rate=ns.rate, seed=ns.seed,
+            alpha=ns.zipf_alpha, rate=ns.rate,
+            seed=ns.seed if ns.workload_seed is None else ns.workload_seed,
         )  # fmt: skip
         if ns.rate_factor != 1.0:
             if not ns.rate_factor > 0:
