@@ -86,7 +86,7 @@ from prefixmesh.overlay.events import ObserverFanout
 from prefixmesh.overlay.gossip import Gossip
 from prefixmesh.overlay.heartbeat import Heartbeat, Liveness
 from prefixmesh.overlay.holepunch import HolePunchService
-from prefixmesh.overlay.host import OverlayHost, check_listen_addrs_free, lone_exception
+from prefixmesh.overlay.host import OverlayHost, check_listen_addrs_free, unwrapping_lone_exception
 from prefixmesh.overlay.infer import InferService, InferSettings
 from prefixmesh.overlay.partgossip import PartitionGossip
 from prefixmesh.overlay.relay import (
@@ -154,20 +154,15 @@ async def _progress(what: str, logger: logging.Logger, every_s: float = 2.0,
             await trio.sleep(every_s)
             logger.info("still %s (%.0f s)", what, trio.current_time() - t0)
 
-    try:
+    # the step's own error, not the group the ticker's nursery wraps it in: a model that
+    # fails to load is then a one-line error, not an "internal error"
+    with unwrapping_lone_exception():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(tick)
             try:
                 yield
             finally:
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # the step's own error, not the group the nursery wrapped it in: a model that
-        # fails to load is a one-line error, not an "internal error"
-        lone = lone_exception(group)
-        if lone is None:
-            raise
-        raise lone from None
     logger.info("%s: done in %.1f s", what, trio.current_time() - t0)
 
 

@@ -60,7 +60,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
 import multiaddr
 import trio
@@ -191,14 +191,26 @@ def _expand_unspecified(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Mult
 StreamHandler = Callable[[object], Awaitable[None]]
 
 
-def lone_exception(group: BaseExceptionGroup) -> BaseException | None:
-    """The one exception a (nested) group of one holds: what a nursery wrapped; else None."""
+def _lone_exception(group: BaseExceptionGroup) -> BaseException | None:
     exc: BaseException = group
     while isinstance(exc, BaseExceptionGroup):
         if len(exc.exceptions) != 1:
             return None
         exc = exc.exceptions[0]
     return exc
+
+
+@contextlib.contextmanager
+def unwrapping_lone_exception() -> Iterator[None]:
+    """An exception a nursery (or libp2p's nested nurseries) wrapped in groups of one comes
+    out as itself; a group of several stays a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        lone = _lone_exception(group)
+        if lone is None:
+            raise
+        raise lone from None
 
 
 def _remote_multiaddr(conn) -> str:
@@ -351,7 +363,7 @@ class OverlayHost:
         internal nurseries wrap it in (nested) ExceptionGroups, which we unwrap when they
         hold that one exception only."""
         check_listen_addrs_free([str(a) for a in self._listen])
-        try:
+        with unwrapping_lone_exception():
             async with self.libp2p.run(listen_addrs=self._listen), \
                     background_trio_service(self.circuit_stop), trio.open_nursery() as nursery:
                 note_bound([str(a) for a in self._listen])
@@ -365,11 +377,6 @@ class OverlayHost:
                     with trio.CancelScope(shield=True), trio.move_on_after(1):
                         await self._close_connections()
                     nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            lone = lone_exception(group)
-            if lone is None:
-                raise
-            raise lone from None
 
     async def _close_connections(self) -> None:
         network = self.libp2p.get_network()

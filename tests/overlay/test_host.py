@@ -197,3 +197,32 @@ def test_inbound_subnet_cap_closes_connections_past_a_subnets_share():
             await wait(lambda: cap.counts() == {})
 
     trio.run(main)
+
+
+def test_an_error_a_nursery_wrapped_alone_comes_out_as_itself():
+    import pytest
+    import trio
+
+    from prefixmesh.overlay.host import unwrapping_lone_exception
+
+    async def fail(what: str) -> None:
+        raise ValueError(what)
+
+    async def one() -> None:
+        with unwrapping_lone_exception():
+            async with trio.open_nursery() as outer:
+                async with trio.open_nursery() as inner:  # nested, as in libp2p's run
+                    inner.start_soon(fail, "alone")
+                outer.cancel_scope.cancel()
+
+    async def two() -> None:
+        with unwrapping_lone_exception():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fail, "a")
+                nursery.start_soon(fail, "b")
+
+    with pytest.raises(ValueError, match="alone"):
+        trio.run(one)
+    with pytest.raises(BaseExceptionGroup) as group:
+        trio.run(two)
+    assert sorted(str(e) for e in group.value.exceptions) == ["a", "b"]
