@@ -39,6 +39,28 @@ def test_what_runs_before_the_load_begins_imports_neither_overlay_nor_engine():
     assert done.stdout.strip() == "[]"
 
 
+def test_the_load_begins_before_the_overlay_is_imported(tmp_path):
+    """The point of the launcher: when the engine's load begins, py-libp2p is not imported
+    yet (the two then overlap). A begin_load that stops the start there shows it."""
+    overrides = {"node.key_file": str(tmp_path / "node.key"),
+                 "node.cache_dir": str(tmp_path / "kv"),
+                 "node.listen": "/ip4/127.0.0.1/tcp/0", "node.mdns": False}
+    done = _run_python(
+        "import sys\n"
+        "from prefixmesh.inference.backend import SimulatedBackend\n"
+        "def begin(self):\n"
+        f"    print('heavy at begin_load:', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+        "    raise SystemExit(7)\n"
+        "SimulatedBackend.begin_load = begin\n"
+        "from prefixmesh.node.config import load_config\n"
+        "from prefixmesh.node.launch import run_node\n"
+        "from prefixmesh.node.process import NodeOptions\n"
+        f"run_node(load_config(None, {overrides!r}), NodeOptions(backend='sim'))\n")
+    assert done.returncode == 7, done.stderr
+    assert done.stdout.strip() == "heavy at begin_load: []"
+    assert not (tmp_path / "kv").exists()  # the start stopped there left nothing behind
+
+
 def test_a_signal_before_the_daemon_takes_over_exits_at_once():
     done = _run_python(
         "import os, signal, time\n"
