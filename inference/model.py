@@ -457,7 +457,7 @@ _GGUF_INFO_MEMO_MAX = 8
 
 def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     """Parse the GGUF header of ``path`` (bounded) into a :class:`GGUFInfo`; a file
-    unchanged since an earlier call (same inode, size and mtime) is not parsed again.
+    unchanged since an earlier call (same inode, size, mtime and ctime) is not parsed again.
 
     Raises FileNotFoundError for a missing file and :class:`GGUFError` for anything that is
     not a GGUF file of version 2 or 3 within the documented limits.

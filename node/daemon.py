@@ -367,7 +367,8 @@ class Node:
     # --- running ---------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        # fail before the (slow) model load; host.run checks again right before binding
+        # a Node run without the launcher (tests) fails here before the model load; host.run
+        # checks again right before binding
         check_listen_addrs_free([self.config.node.listen])
         self._install_signal_handlers()
         try:
@@ -398,10 +399,15 @@ class Node:
                 await self.backend.aclose()
         self._stop_phase("host closed")
 
+    @property
+    def stop_took_s(self) -> float:
+        """Seconds since :meth:`shutdown` began (0 before)."""
+        return time.monotonic() - self._stop_t0 if self._stop_t0 is not None else 0.0
+
     def _stop_phase(self, what: str) -> None:
         """DEBUG: how far into the stop each phase ended (the budget is 3 s)."""
         if self._stop_t0 is not None:
-            log.debug("stop: %s after %.2f s", what, time.monotonic() - self._stop_t0)
+            log.debug("stop: %s after %.2f s", what, self.stop_took_s)
 
     async def _run_services(self, task_status) -> None:
         opts, cfg = self.options, self.config

@@ -20,7 +20,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 
 import trio
 
@@ -105,6 +104,5 @@ def run_node(config, options: NodeOptions | None = None) -> int:
         # told to stop and everything is closed: skip the interpreter's own teardown
         # (libraries' atexit hooks and finalizers took 5 s on a loaded machine, after
         # the 3 s budget, where the watchdog thread can no longer run)
-        took = time.monotonic() - node._stop_t0 if node._stop_t0 is not None else 0.0
-        exit_now(0, f"stopped in {took:.2f} s", logging.INFO)
+        exit_now(0, f"stopped in {node.stop_took_s:.2f} s", logging.INFO)
     return 0
