@@ -169,6 +169,20 @@ _MIN_PREFILL_FOR_RATE = 16
 _load_lock = threading.Lock()
 
 
+class _KeepStdio:
+    """Stands in for llama-cpp-python's ``suppress_stdout_stderr`` during our load
+    (``Engine._load_model``): leaves the process's stdout and stderr alone."""
+
+    def __init__(self, disable: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> _KeepStdio:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        return None
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -788,6 +802,8 @@ class Engine:
 
     def _load_model(self) -> None:
         import llama_cpp
+        import llama_cpp.llama
+        from llama_cpp import _internals
         from llama_cpp import llama_cpp as lib
 
         cfg = self.config
@@ -809,6 +825,14 @@ class Engine:
 
             lib.llama_model_default_params = params_without_repacking
             lib.llama_context_default_params = context_params_two_sequences
+            # verbose=False silences llama.cpp by pointing the process's fds 1 and 2 (and
+            # sys.stdout/err) at /dev/null for the whole load: from this thread, the node's
+            # own log lines and prints of that moment vanished too (seen: a start's
+            # warnings lost). llama.cpp logs through its callback, which verbose=False
+            # already limits to errors: nothing else needs silencing (checked)
+            suppress = llama_cpp.llama.suppress_stdout_stderr, _internals.suppress_stdout_stderr
+            llama_cpp.llama.suppress_stdout_stderr = _internals.suppress_stdout_stderr = \
+                _KeepStdio
             try:
                 llama = llama_cpp.Llama(
                     model_path=str(self.model_path),
@@ -831,6 +855,8 @@ class Engine:
             finally:
                 lib.llama_model_default_params = original
                 lib.llama_context_default_params = original_ctx
+                llama_cpp.llama.suppress_stdout_stderr, _internals.suppress_stdout_stderr = \
+                    suppress
         self._lib = lib
         self._llama = llama
         if cfg.n_gpu_layers != 0 or log.isEnabledFor(logging.DEBUG):

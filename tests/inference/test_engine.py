@@ -8,8 +8,11 @@ must be token-for-token identical. Prompts are short and n_ctx small to keep thi
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from _model_fixture import TEST_THREADS, default_model_path
@@ -341,6 +344,35 @@ def test_cache_events_carry_chains(tmp_path):
         assert events[-1].kind == "remove" and events[-1].chain == ev.chain
     finally:
         e.close(flush=False)
+
+
+def test_loading_the_model_leaves_the_process_s_stdout_and_stderr_alone():
+    """llama-cpp-python's ``verbose=False`` pointed fds 1 and 2 at /dev/null for the whole
+    load: what the node's main thread logged meanwhile was lost (a start's warnings). A
+    fresh process prints numbered lines on stderr and stdout while an engine loads in a
+    thread: every one arrives, and nothing else (llama.cpp's own output stays silent)."""
+    script = (
+        "import sys, threading, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
+        "from _model_fixture import default_model_path\n"
+        "from prefixmesh.inference.engine import Engine\n"
+        "loaded = threading.Event()\n"
+        "def load():\n"
+        "    Engine(model_path=default_model_path(), n_ctx=256, n_threads=1, kv_dir=None,\n"
+        "           ram_budget_bytes=0, disk_budget_bytes=0).close(flush=False)\n"
+        "    loaded.set()\n"
+        "threading.Thread(target=load).start()\n"
+        "n = 0\n"
+        "while not loaded.is_set():\n"
+        "    print(n, file=sys.stderr, flush=True); print(n, flush=True); n += 1\n"
+        "    time.sleep(0.001)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.split()
+    assert len(printed) > 10  # the load took a while: lines were printed during it
+    assert printed == [str(i) for i in range(len(printed))]
+    assert done.stderr.split() == printed, done.stderr[:2000]
 
 
 def test_bad_input_is_refused_and_engine_keeps_serving(eng, tmp_path):
