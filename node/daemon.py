@@ -24,8 +24,12 @@ subnet cap go to ``InferSettings``, the digest-exchange rate to ``Gossip``; refu
 counted in ``stats`` (``digest_exchanges_rate_limited``,
 ``digest_exchanges_concurrency_limited``, and the infer service's own counters).
 
-Start-up prints one line per dialable address on stdout (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``)
-and then ``ready``; tests and scripts read them.
+Start-up, in two steps: the engine loads (begun by the launcher, ``node/launch.py``), then
+the HTTP gateway answers on it at once, and only then the host imports py-libp2p (in a
+worker thread, ~0.5 s of Python: ``overlay/host.py``) and the node joins the overlay. A
+request in between is served here, as by a node that knows no peer yet; a signal from
+then on stops the node gracefully. Joined, it prints one line per dialable address on
+stdout (``/ip4/127.0.0.1/tcp/PORT/p2p/ID``) and then ``ready``; tests and scripts read them.
 
 Shutdown (SIGINT/SIGTERM), within :data:`SHUTDOWN_BUDGET_S` (3 s) in every configuration:
 new requests are refused, in-flight ones are cancelled and end with an ERROR frame
@@ -62,6 +66,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -88,13 +93,8 @@ from prefixmesh.overlay.heartbeat import Heartbeat, Liveness
 from prefixmesh.overlay.holepunch import HolePunchService
 from prefixmesh.overlay.host import OverlayHost, check_listen_addrs_free, unwrapping_lone_exception
 from prefixmesh.overlay.infer import InferService, InferSettings
+from prefixmesh.overlay.natroles import NatRoles, known_public_peers
 from prefixmesh.overlay.partgossip import PartitionGossip
-from prefixmesh.overlay.relay import (
-    NatRoles,
-    RelayService,
-    ReservationKeeper,
-    known_public_peers,
-)
 from prefixmesh.overlay.swim import Swim
 from prefixmesh.overlay.upnp import PortMapper
 
@@ -104,6 +104,9 @@ from .peers_service import PeersService
 from .process import NodeOptions, exit_now
 from .requestlog import RequestLog
 from .tenants import TenantRegistry
+
+if TYPE_CHECKING:
+    from prefixmesh.overlay.relay import RelayService, ReservationKeeper
 
 __all__ = ["NodeOptions", "Node"]
 
@@ -205,11 +208,8 @@ class Node:
         # relay service while public, reservations at relays while private (issue 16)
         self.nat = NatRoles(
             self._reachability_kind,
-            relay=(lambda: RelayService(self.host)) if config.nat.relay_service else None,
-            keeper=lambda: ReservationKeeper(
-                self.host, bootstrap=lambda: list(self.config.node.bootstrap),
-                known=lambda: known_public_peers(self.directory),
-                on_change=self._republish_addrs),
+            relay=self._relay_service if config.nat.relay_service else None,
+            keeper=self._reservation_keeper,
             on_keeper_stop=self._republish_addrs)
         self.holepunch = HolePunchService(self.host, self.reachability,
                                           enabled=config.nat.hole_punching)
@@ -256,7 +256,9 @@ class Node:
         self.replication: Replication | None = None  # set with the digest exchange
         self.dht = None
         self.mdns = None
-        self.started = trio.Event()
+        self.started = trio.Event()  # everything runs (the overlay too)
+        # the engine is loaded and the HTTP gateway serves: a signal now stops gracefully
+        self.answering = False
         self._cancel: trio.CancelScope | None = None
         self._stopping = False
         self._stop_t0: float | None = None  # when shutdown() began
@@ -330,6 +332,18 @@ class Node:
     def relay_service(self) -> RelayService | None:
         return self.nat.relay
 
+    def _relay_service(self) -> RelayService:
+        from prefixmesh.overlay.relay import RelayService  # with py-libp2p (host.py)
+
+        return RelayService(self.host)
+
+    def _reservation_keeper(self) -> ReservationKeeper:
+        from prefixmesh.overlay.relay import ReservationKeeper
+
+        return ReservationKeeper(self.host, bootstrap=lambda: list(self.config.node.bootstrap),
+                                 known=lambda: known_public_peers(self.directory),
+                                 on_change=self._republish_addrs)
+
     def _reachability_kind(self) -> str:
         """The dial-back verdict once it has one; until then a guess from our own
         addresses (a global IP: public; RFC 1918: private; loopback: unknown)."""
@@ -385,14 +399,22 @@ class Node:
         for tenant in self.tenants:
             self.backend.register_namespace(tenant.name, tenant.namespace_key, tenant.ns_id)
         try:
-            async with self.host.run():
-                await self._run_services(task_status)
-                # services stopped: flush the KV cache while the host still closes below
-                # (a host that hangs on close cannot cost us the flush)
-                self._stop_phase("services stopped")
-                with trio.CancelScope(shield=True):
-                    await self.backend.aclose()
-                self._stop_phase("KV cache flushed")
+            async with trio.open_nursery() as serving:
+                self._cancel = serving.cancel_scope  # until the services take it over
+                # the engine answers HTTP from here on, the overlay joins below (module
+                # docstring, "Start-up")
+                await serving.start(serve_node_http, self)  # [http].listen, [metrics].listen
+                serving.start_soon(self._watch_signals)
+                self.answering = True
+                async with self.host.run():  # loads py-libp2p, in a thread
+                    await self._run_services(task_status)
+                    # services stopped: flush the KV cache while the host still closes
+                    # below (a host that hangs on close cannot cost us the flush)
+                    self._stop_phase("services stopped")
+                    with trio.CancelScope(shield=True):
+                        await self.backend.aclose()
+                    self._stop_phase("KV cache flushed")
+                serving.cancel_scope.cancel()  # the HTTP gateway, last
         finally:
             self._remove_addr_file()
             with trio.CancelScope(shield=True):
@@ -498,8 +520,6 @@ class Node:
 
                 self.mdns = MdnsDiscovery(self.host, self.directory, self.advertised_addrs())
                 nursery.start_soon(self.mdns.run)
-            await nursery.start(serve_node_http, self)  # OpenAI-compatible HTTP ([http].listen)
-            nursery.start_soon(self._watch_signals)
             self._write_addr_file()
             # started before "ready": a supervisor that signals on "ready" gets a graceful stop
             self.started.set()
@@ -581,7 +601,7 @@ class Node:
         def on_signal(signum: int, _frame) -> None:
             self.signalled = True
             received.append(signum)
-            if not self.started.is_set():
+            if not self.answering:
                 exit_now(130, f"signal {signum} during start-up: exiting now")
             if len(received) > 1:
                 exit_now(130, f"signal {signum} again: exiting now")

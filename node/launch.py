@@ -1,12 +1,12 @@
 """Starting a node process: :func:`run_node` (``prefixmesh node``, and the benchmark and
 test entry points ``bench/node_entry.py``, ``tests/_fault_node.py``).
 
-Why apart from ``node/daemon.py``: the daemon imports py-libp2p, which takes longer (0.5 s
-measured at idle) than loading the model and indexing a 1.6 GB KV cache together. This
-module imports none of it. It takes the locks, checks the listen port and reads the key
-file (what fails fast fails before anything slow), starts the engine's load in a thread,
-and only then imports the daemon: the imports and the load overlap
-(docs/bench/engine.md, "ready after restart").
+Why apart from ``node/daemon.py``: what fails fast should fail before anything slow, and
+the engine's load (the model, a 1.6 GB KV cache's index) should begin before the rest of
+the node is imported (0.2 s), so the two overlap. This module takes the locks, checks the
+listen port and reads the key file, starts the engine's load in a thread, and only then
+imports the daemon. py-libp2p (0.5 s more) is imported later still, once the node answers
+HTTP (``node/daemon.py``, "Start-up"; docs/bench/engine.md, "ready after restart").
 
 From the start of the load to the moment the daemon installs its own handlers, a
 SIGINT/SIGTERM exits at once with status 130, as it does during the rest of start-up
@@ -29,7 +29,7 @@ from prefixmesh.overlay.ports import HostError, check_listen_addrs_free
 
 from . import process
 from .locks import LockError, lock_cache_dir, lock_key_file
-from .logsetup import adopt_library_loggers, configure_logging
+from .logsetup import configure_logging
 from .process import NodeOptions, exit_now
 
 __all__ = ["run_node"]
@@ -72,9 +72,7 @@ def run_node(config, options: NodeOptions | None = None) -> int:
         backend = process.make_backend(config, options)  # tests/_fault_node.py wraps it
         old_handlers = _exit_on_signals_during_start_up()
         backend.begin_load()
-        from . import daemon  # the overlay's imports, while the engine loads
-
-        adopt_library_loggers()  # py-libp2p's import turned its loggers off again
+        from . import daemon  # the node's own imports, while the engine loads
 
         node = daemon.Node(config, options, identity=identity, backend=backend)
         trio.run(node.run)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import IO
 
 __all__ = ["LIBRARIES", "LOG_FORMATS", "LibraryFilter", "OneLineFormatter", "JsonFormatter",
-           "configure_logging", "adopt_library_loggers", "fold"]
+           "configure_logging", "fold"]
 
 LIBRARIES = ("libp2p", "multiaddr", "zeroconf", "async_service", "anyio")
 LOG_FORMATS = ("text", "json")
@@ -126,9 +126,8 @@ class JsonFormatter(logging.Formatter):
 def configure_logging(level: str = "info", fmt: str = "text",
                       stream: IO[str] | None = None) -> logging.Handler:
     """Route every log record of the process to one handler on ``stream`` (stderr);
-    returns the handler. py-libp2p's import resets its loggers: a process that imports it
-    later (the node's launcher, which loads the model meanwhile) calls
-    :func:`adopt_library_loggers` after that import."""
+    returns the handler. py-libp2p's import resets its logger; a node imports it after
+    this set-up, and ``overlay/host.py`` keeps the set-up through that import."""
     numeric = getattr(logging, str(level).upper(), logging.INFO)
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {fmt!r}")
@@ -140,14 +139,13 @@ def configure_logging(level: str = "info", fmt: str = "text",
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric)
-    adopt_library_loggers()
+    _adopt_library_loggers()
     return handler
 
 
-def adopt_library_loggers() -> None:
+def _adopt_library_loggers() -> None:
     """Route the libraries' loggers (:data:`LIBRARIES`) to the root's handler, where
-    :class:`LibraryFilter` keeps them at DEBUG; again after py-libp2p's import, which
-    turns its own off."""
+    :class:`LibraryFilter` keeps them at DEBUG."""
     numeric = logging.getLogger().level
     for name in LIBRARIES:
         lib = logging.getLogger(name)

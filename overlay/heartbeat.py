@@ -55,7 +55,6 @@ from .core.admission import LONG_STANDING, NEVER_UP, SEEN_UP
 from .core.dialing import MAX_HINT_PEERS, NEVER_UP_ATTEMPTS, DialGate, give_up
 from .core.identity import peer_id_to_b58
 from .host import FramedStream, HostError, OverlayHost
-from .libp2p_guard import outbound_room
 
 __all__ = ["PeerHealth", "Liveness", "Heartbeat"]
 
@@ -218,6 +217,8 @@ class Liveness:
 
     def _outbound_room(self) -> bool:
         """False once our own dials hold all but the inbound reserve (libp2p_guard)."""
+        from .libp2p_guard import outbound_room  # with py-libp2p (host.py, "imported when")
+
         try:
             conns = self.host.libp2p.get_network().get_connections()
         except Exception:  # no swarm (unit tests) or one closing

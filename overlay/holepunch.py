@@ -25,18 +25,15 @@ What is ours (docs/bench/nat.md, "Recommended design"):
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 
 import trio
-from libp2p.peer.id import ID
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
-from libp2p.tools.anyio_service import background_trio_service
 
 from .core import reachability as rb
 from .dialback import ReachabilityService, is_relayed
 
-__all__ = ["HolePunchService", "DIAL_TIMEOUT_S", "should_punch"]
+__all__ = ["HolePunchService", "DIAL_TIMEOUT_S", "should_punch", "counting_dcutr_class"]
 
 log = logging.getLogger(__name__)
 
@@ -49,34 +46,42 @@ def should_punch(enabled: bool, reach: rb.Reachability) -> bool:
     return enabled and reach.kind == "private" and reach.nat == "port-preserving"
 
 
-class _CountingDCUtR(DCUtRProtocol):
-    """The library's protocol, with each initiated punch counted by its owner."""
+@functools.cache
+def counting_dcutr_class() -> type:
+    """py-libp2p's DCUtR protocol, with each initiated punch counted by its owner (a
+    :class:`HolePunchService`). Defined on first use: py-libp2p is imported when the host
+    is built (overlay/host.py)."""
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 
-    def __init__(self, host, owner: HolePunchService) -> None:
-        super().__init__(host, dial_timeout=DIAL_TIMEOUT_S)
-        self._owner = owner
+    class CountingDCUtR(DCUtRProtocol):
+        def __init__(self, host, owner: HolePunchService) -> None:
+            super().__init__(host, dial_timeout=DIAL_TIMEOUT_S)
+            self._owner = owner
 
-    async def initiate_hole_punch(self, peer_id: ID) -> bool:
-        if await self._have_direct_connection(peer_id):
-            return True  # nothing to punch: not an attempt
-        if self.host.get_id().to_bytes() > peer_id.to_bytes():
-            # the library's auto-drive runs on both sides and starts both sessions at the
-            # same moment; they collide and both fail (~22 s, seen in the lab). The lower
-            # peer id leads, we answer its session
-            return False
-        self._owner.attempts += 1
-        ok = await super().initiate_hole_punch(peer_id)
-        if ok:
-            self._owner.successes += 1
-            self._owner.punched.add(peer_id)
-            log.info("hole punch to %s: direct connection", str(peer_id)[-12:])
-        else:
-            log.info("hole punch to %s failed; staying relayed", str(peer_id)[-12:])
-        return ok
+        async def initiate_hole_punch(self, peer_id) -> bool:
+            if await self._have_direct_connection(peer_id):
+                return True  # nothing to punch: not an attempt
+            if self.host.get_id().to_bytes() > peer_id.to_bytes():
+                # the library's auto-drive runs on both sides and starts both sessions at the
+                # same moment; they collide and both fail (~22 s, seen in the lab). The lower
+                # peer id leads, we answer its session
+                return False
+            self._owner.attempts += 1
+            ok = await super().initiate_hole_punch(peer_id)
+            if ok:
+                self._owner.successes += 1
+                self._owner.punched.add(peer_id)
+                log.info("hole punch to %s: direct connection", str(peer_id)[-12:])
+            else:
+                log.info("hole punch to %s failed; staying relayed", str(peer_id)[-12:])
+            return ok
+
+    return CountingDCUtR
 
 
 class HolePunchService:
-    """Runs :class:`_CountingDCUtR` while :func:`should_punch` holds."""
+    """Runs py-libp2p's DCUtR (:func:`counting_dcutr_class`) while :func:`should_punch`
+    holds."""
 
     def __init__(self, host, reachability: ReachabilityService, *, enabled: bool) -> None:
         self.host = host  # an OverlayHost
@@ -84,9 +89,9 @@ class HolePunchService:
         self.enabled = enabled
         self.attempts = 0
         self.successes = 0
-        self.punched: set[ID] = set()
+        self.punched: set = set()  # py-libp2p IDs
         self.running = False
-        self._dcutr: _CountingDCUtR | None = None
+        self._dcutr = None
         self._changed = trio.Event()
         reachability.on_change.append(lambda old, new: self._changed.set())
 
@@ -95,13 +100,8 @@ class HolePunchService:
         peers = set(self.punched)
         if self._dcutr is not None:  # the responder side of a punch counts too
             peers |= set(self._dcutr._direct_connections)
-        network = self.host.libp2p.get_network()
-        n = 0
-        for pid in peers:
-            with contextlib.suppress(Exception):
-                if any(not is_relayed(c) for c in network.get_connections(pid)):
-                    n += 1
-        return n
+        return sum(any(not is_relayed(c) for c in self.host.links(pid.to_bytes()))
+                   for pid in peers)
 
     def counts(self) -> dict[str, int]:
         return {"attempts": self.attempts, "successes": self.successes,
@@ -120,7 +120,9 @@ class HolePunchService:
                 await self._changed.wait()
 
     async def _run_dcutr_until_change(self) -> None:
-        self._dcutr = _CountingDCUtR(self.host.libp2p, self)
+        from libp2p.tools.anyio_service import background_trio_service
+
+        self._dcutr = counting_dcutr_class()(self.host.libp2p, self)
         log.info("hole punching on (DCUtR, dial timeout %d s): behind a port-preserving NAT",
                  DIAL_TIMEOUT_S)
         self.running = True

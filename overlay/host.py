@@ -50,6 +50,14 @@ Circuits (issue 16)
     peers off our own networks never reach the peerstore
     (:func:`~.core.relaying.keep_peer_addr`): identify reports a home's LAN address, and a
     relay dialling it wasted 8 s (docs/bench/nat.md).
+
+py-libp2p is imported when the host is first used, not with this module
+    Its import takes ~0.5 s of Python (its QUIC transport alone ~0.3 s, never used), longer
+    than loading the model and indexing a 1.6 GB KV cache. The node answers HTTP on its
+    engine first and joins the overlay after (``node/daemon.py``, "Start-up");
+    :meth:`OverlayHost.run` imports py-libp2p in a worker thread, so the requests served
+    meanwhile are not stalled. Methods that only report (addresses, connections) report
+    nothing before the library is loaded; the others load it.
 """
 
 from __future__ import annotations
@@ -59,42 +67,18 @@ import fcntl
 import logging
 import socket
 import struct
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
-import multiaddr
 import trio
-from libp2p import new_host
-from libp2p.connection_types import ConnectionType
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-from libp2p.custom_types import TProtocol
-from libp2p.network.connection.raw_connection import RawConnection
-from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
-from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
-from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
-from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
-from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
-from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.tools.anyio_service import background_trio_service
 
 from .core import relaying, wire
-from .core.admission import InboundConn, inbound_victim
 from .core.dialing import DialGate
 from .core.digest import DigestError
 from .core.identity import Identity, peer_id_to_b58
 from .core.streamslots import frame_budget_s
-from .libp2p_guard import (
-    GuardedPeerStore,
-    QuietNotifee,
-    connection_config,
-    install_guards,
-    own_dial,
-)
 from .ports import HostError, ListenAddrInUse, check_listen_addrs_free, note_bound
-from .relay import HOP_PROTOCOL, FixedHop, relay_limits
 
 __all__ = [
     "HostError",
@@ -142,6 +126,13 @@ class FrameTimeout(PeerTimeout):
     (:func:`~.core.streamslots.frame_budget_s`): a slow or trickling peer."""
 
 
+def _peer_id(peer: bytes):
+    """py-libp2p's ``ID`` of peer id bytes (imported on first use: module docstring)."""
+    from libp2p.peer.id import ID
+
+    return ID(peer)
+
+
 def remote_peer(stream) -> bytes:
     """Peer id bytes of the other end of a libp2p stream."""
     return stream.muxed_conn.peer_id.to_bytes()
@@ -149,6 +140,10 @@ def remote_peer(stream) -> bytes:
 
 def split_p2p_addr(addr: str) -> tuple[bytes, str]:
     """``/ip4/1.2.3.4/tcp/5/p2p/<id>`` -> (peer id bytes, ``/ip4/1.2.3.4/tcp/5``)."""
+    _import_libp2p()  # the first import of py-libp2p in a client: keep our logging
+    import multiaddr
+    from libp2p.peer.id import ID
+
     ma = multiaddr.Multiaddr(addr)
     try:
         b58 = ma.value_for_protocol("p2p")
@@ -174,8 +169,11 @@ def concrete_ipv4_addrs() -> list[str]:
     return out or ["127.0.0.1"]
 
 
-def _expand_unspecified(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-    result: list[multiaddr.Multiaddr] = []
+def _expand_unspecified(addrs: list) -> list:
+    """Multiaddrs with ``/ip4/0.0.0.0`` replaced by each concrete interface address."""
+    import multiaddr
+
+    result: list = []
     for a in addrs:
         text = str(a)
         if text.startswith("/ip4/0.0.0.0/"):
@@ -213,70 +211,20 @@ def unwrapping_lone_exception() -> Iterator[None]:
         raise lone from None
 
 
-def _remote_multiaddr(conn) -> str:
-    """``/ip4|ip6/<ip>/tcp/<port>`` of a connection's remote end, or "" if unknown."""
-    try:
-        got = conn.muxed_conn.get_remote_address()
-    except Exception:  # a connection closing under us
-        return ""
-    if not got:
-        return ""
-    host, port = got[0], got[1]
-    return f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{port}"
+def _import_libp2p() -> None:
+    """What building a host imports (module docstring): py-libp2p and our parts of it.
+    py-libp2p's import resets its ``libp2p`` logger (no handler, no propagation): a logger
+    the process had set up before (a level set, as the node's logging does) is kept."""
+    lib = logging.getLogger("libp2p")
+    before = (list(lib.handlers), lib.propagate, lib.level)
+    first = "libp2p" not in sys.modules
+    import libp2p  # noqa: F401
 
+    from . import libp2p_guard, relay  # noqa: F401
 
-class _InboundGate(QuietNotifee):
-    """Applies :attr:`OverlayHost.inbound_cap` to connections peers dial to us, and keeps
-    room for newcomers (:func:`~.core.admission.inbound_victim`)."""
-
-    def __init__(self, host: OverlayHost) -> None:
-        self.host = host
-
-    async def connected(self, network, conn) -> None:
-        if str(getattr(conn, "direction", "")) != "inbound":
-            return
-        peer = conn.muxed_conn.peer_id.to_bytes()
-        host = self.host
-        await self._make_room(network, peer)
-        if host.inbound_cap is None:
-            return
-
-        def is_stale(p: bytes) -> bool:
-            return not network.get_connections(ID(p)) or host.peer_is_down(p)
-
-        admitted, evicted = host.inbound_cap.admit(peer, _remote_multiaddr(conn), is_stale)
-        for p in evicted:  # their slots went to the newcomer: close what is left of them
-            with contextlib.suppress(Exception):
-                await host.disconnect(p)
-        if admitted:
-            return
-        host.inbound_refused += 1
-        log.info("inbound connection from %s refused: its subnet holds its share",
-                 peer_id_to_b58(peer))
-        with contextlib.suppress(Exception):
-            await conn.close()
-
-    async def _make_room(self, network, newcomer: bytes) -> None:
-        conns = []
-        for c in network.get_connections():
-            if str(getattr(c, "direction", "")) != "inbound":
-                continue
-            with contextlib.suppress(Exception):
-                p = c.muxed_conn.peer_id.to_bytes()
-                conns.append(InboundConn(p, self.host.peer_is_known(p), len(c.get_streams()),
-                                         getattr(c, "_created_at", 0.0)))
-        victim = inbound_victim(conns, newcomer)
-        if victim is not None:
-            self.host.inbound_evicted += 1
-            log.debug("inbound connections near py-libp2p's limit: closed %s's for a newcomer",
-                      peer_id_to_b58(victim)[-8:])
-            with contextlib.suppress(Exception):
-                await self.host.disconnect(victim)
-
-    async def disconnected(self, network, conn) -> None:
-        peer_id = conn.muxed_conn.peer_id
-        if self.host.inbound_cap is not None and not network.get_connections(peer_id):
-            self.host.inbound_cap.release(peer_id.to_bytes())  # its last connection went
+    if first and before[2] != logging.NOTSET:
+        lib.handlers[:], lib.propagate = before[0], before[1]
+        lib.setLevel(before[2])
 
 
 def _filter_peer_addrs(peerstore, keep: Callable[[str], bool]) -> None:
@@ -309,33 +257,13 @@ class OverlayHost:
         self.peer_id: bytes = identity.peer_id
         self.dial_timeout_s = dial_timeout_s
         self.stream_timeout_s = stream_timeout_s
-        self._listen = [multiaddr.Multiaddr(a) for a in listen_addrs]
-        key_pair = create_new_key_pair(identity.seed_bytes())
-        if key_pair.public_key.to_bytes() != identity.public_bytes:  # pragma: no cover
-            raise HostError("libp2p derived a different public key from our seed")
-        noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
-        self.libp2p = new_host(
-            key_pair=key_pair,
-            sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
-            # no auto-dialing of every peerstore entry: our heartbeat decides whom to keep;
-            # explicit limits and a peerstore that never evicts our own key (libp2p_guard)
-            connection_config=connection_config(),
-            peerstore_opt=(peerstore := GuardedPeerStore(ID(self.peer_id))),
-            listen_addrs=self._listen,
-            addrs_factory=_expand_unspecified,
-            # identify's observed addresses: DCUtR needs our WAN address (nat.md, bug 4)
-            disable_identify_address_discovery=not observe_addrs,
-        )
-        if self.libp2p.get_id().to_bytes() != self.peer_id:  # pragma: no cover
-            raise HostError("libp2p peer id differs from our identity's peer id")
+        self._listen = list(listen_addrs)
+        self._observe_addrs = observe_addrs
+        self._libp2p = None  # built on first use (module docstring)
         # the node's one dial gate: the heartbeat's dials and py-libp2p's own (Kademlia)
         # pass it (overlay/core/dialing.py, libp2p_guard)
         self.dial_gate = DialGate()
-        install_guards(self.libp2p, peerstore, self.dial_gate)
         self._own_ips = concrete_ipv4_addrs()
-        _filter_peer_addrs(peerstore, lambda a: relaying.keep_peer_addr(a, self._own_ips))
-        # circuits: our stop side (module docstring, "Circuits")
-        self.circuit_stop = FixedHop(self.libp2p, limits=relay_limits(), allow_hop=False)
         self._circuit_addrs: list[str] = []
         self._nursery: trio.Nursery | None = None
         # pre-negotiated idle streams: (peer, protocol) -> [(stream, opened_at)]
@@ -352,8 +280,52 @@ class OverlayHost:
         # connections are never closed to make room for a stranger
         self.peer_is_known: Callable[[bytes], bool] = lambda peer: False
         self.inbound_evicted = 0
+
+    @property
+    def libp2p(self):
+        """The py-libp2p host, built (and the library imported) on first use."""
+        if self._libp2p is None:
+            self._libp2p = self._build()
+        return self._libp2p
+
+    def _build(self):
+        _import_libp2p()  # at once when run() did not do it first (it keeps our logging)
+        import multiaddr
+        from libp2p import new_host
+        from libp2p.crypto.ed25519 import create_new_key_pair
+        from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+        from libp2p.custom_types import TProtocol
+        from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+        from libp2p.security.noise.transport import Transport as NoiseTransport
+
+        from .libp2p_guard import GuardedPeerStore, InboundGate, connection_config, install_guards
+        from .relay import FixedHop, relay_limits
+
+        key_pair = create_new_key_pair(self.identity.seed_bytes())
+        if key_pair.public_key.to_bytes() != self.identity.public_bytes:  # pragma: no cover
+            raise HostError("libp2p derived a different public key from our seed")
+        noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+        host = new_host(
+            key_pair=key_pair,
+            sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
+            # no auto-dialing of every peerstore entry: our heartbeat decides whom to keep;
+            # explicit limits and a peerstore that never evicts our own key (libp2p_guard)
+            connection_config=connection_config(),
+            peerstore_opt=(peerstore := GuardedPeerStore(_peer_id(self.peer_id))),
+            listen_addrs=[multiaddr.Multiaddr(a) for a in self._listen],
+            addrs_factory=_expand_unspecified,
+            # identify's observed addresses: DCUtR needs our WAN address (nat.md, bug 4)
+            disable_identify_address_discovery=not self._observe_addrs,
+        )
+        if host.get_id().to_bytes() != self.peer_id:  # pragma: no cover
+            raise HostError("libp2p peer id differs from our identity's peer id")
+        install_guards(host, peerstore, self.dial_gate)
+        _filter_peer_addrs(peerstore, lambda a: relaying.keep_peer_addr(a, self._own_ips))
+        # circuits: our stop side (module docstring, "Circuits")
+        self.circuit_stop = FixedHop(host, limits=relay_limits(), allow_hop=False)
         # the subnet cap (when set) and room for newcomers (always)
-        self.libp2p.get_network().register_notifee(_InboundGate(self))
+        host.get_network().register_notifee(InboundGate(self))
+        return host
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -362,11 +334,18 @@ class OverlayHost:
         """Run the host. An exception raised by the body comes out as itself: libp2p's
         internal nurseries wrap it in (nested) ExceptionGroups, which we unwrap when they
         hold that one exception only."""
-        check_listen_addrs_free([str(a) for a in self._listen])
+        check_listen_addrs_free(self._listen)
+        if self._libp2p is None:
+            # off the event loop: the node serves HTTP meanwhile (module docstring)
+            await trio.to_thread.run_sync(_import_libp2p, abandon_on_cancel=True)
+        import multiaddr
+        from libp2p.tools.anyio_service import background_trio_service
+
+        listen = [multiaddr.Multiaddr(a) for a in self._listen]
         with unwrapping_lone_exception():
-            async with self.libp2p.run(listen_addrs=self._listen), \
+            async with self.libp2p.run(listen_addrs=listen), \
                     background_trio_service(self.circuit_stop), trio.open_nursery() as nursery:
-                note_bound([str(a) for a in self._listen])
+                note_bound(self._listen)
                 self._nursery = nursery
                 try:
                     yield self
@@ -399,7 +378,9 @@ class OverlayHost:
 
     def transport_addrs(self) -> list[str]:
         """Concrete transport addresses (no ``/p2p`` part; never 0.0.0.0, never port 0)."""
-        return [str(a) for a in _expand_unspecified(self.libp2p.get_transport_addrs())]
+        if self._libp2p is None:
+            return []  # not listening yet
+        return [str(a) for a in _expand_unspecified(self._libp2p.get_transport_addrs())]
 
     def set_circuit_addrs(self, addrs: Sequence[str]) -> None:
         """Advertise these ``/.../p2p/R/p2p-circuit`` addresses (none: our listen ones)."""
@@ -407,8 +388,10 @@ class OverlayHost:
 
     def link_kind(self, peer: bytes) -> str | None:
         """``relayed`` or ``direct`` for our live connection to ``peer`` (None: none)."""
+        if self._libp2p is None:
+            return None
         try:
-            conns = self.libp2p.get_network().get_connections(ID(peer))
+            conns = self._libp2p.get_network().get_connections(_peer_id(peer))
         except Exception:
             return None
         kinds = set()
@@ -429,6 +412,8 @@ class OverlayHost:
     # --- peers -----------------------------------------------------------------------
 
     def add_addrs(self, peer: bytes, addrs: Sequence[str]) -> None:
+        import multiaddr
+
         good = []
         for a in addrs:
             try:
@@ -436,17 +421,21 @@ class OverlayHost:
             except Exception:
                 log.debug("ignoring malformed multiaddr %r for %s", a, peer_id_to_b58(peer))
         if good:
-            self.libp2p.get_peerstore().add_addrs(ID(peer), good, 3600)
+            self.libp2p.get_peerstore().add_addrs(_peer_id(peer), good, 3600)
 
     def is_connected(self, peer: bytes) -> bool:
-        return ID(peer) in self.libp2p.get_network().connections
+        if self._libp2p is None:
+            return False
+        return _peer_id(peer) in self._libp2p.get_network().connections
 
     def links(self, peer: bytes) -> tuple[object, ...]:
         """Our live connections to ``peer``, as opaque objects to compare by identity: a
         connection that closed and was dialled again (by us or by the library) is a new
         object, although :meth:`is_connected` never saw it gone."""
+        if self._libp2p is None:
+            return ()
         try:
-            return tuple(self.libp2p.get_network().get_connections(ID(peer)))
+            return tuple(self._libp2p.get_network().get_connections(_peer_id(peer)))
         except Exception:  # an id the swarm cannot even parse: no live connection
             return ()
 
@@ -454,24 +443,35 @@ class OverlayHost:
         """``/ip4|ip6/<ip>/tcp/<port>`` of our live connections to ``peer``, as the
         transport saw them: where the peer really is, not what its records claim."""
         out: list[str] = []
+        if self._libp2p is None:
+            return out
         try:
-            conns = self.libp2p.get_network().get_connections(ID(peer))
+            conns = self._libp2p.get_network().get_connections(_peer_id(peer))
         except Exception:  # an id the swarm cannot even parse: no live connection
             return out
+        from .libp2p_guard import remote_multiaddr
+
         for conn in conns:
-            addr = _remote_multiaddr(conn)
+            addr = remote_multiaddr(conn)
             if addr:
                 out.append(addr)
         return out
 
     def connected_peers(self) -> list[bytes]:
-        return [p.to_bytes() for p in self.libp2p.get_connected_peers()]
+        if self._libp2p is None:
+            return []
+        return [p.to_bytes() for p in self._libp2p.get_connected_peers()]
 
     async def connect(
         self, peer: bytes, addrs: Sequence[str] = (), timeout_s: float | None = None
     ) -> None:
         """Connect (or reuse a connection) within ``timeout_s``; raises :class:`HostError`.
         Direct addresses first, then circuit addresses (module docstring, "Circuits")."""
+        import multiaddr
+        from libp2p.peer.peerinfo import PeerInfo
+
+        from .libp2p_guard import own_dial
+
         if peer == self.peer_id:
             raise PeerUnreachable("refusing to dial ourselves")
         addrs = [a for a in addrs if relaying.keep_peer_addr(a, self._own_ips)]
@@ -479,7 +479,7 @@ class OverlayHost:
                     and relaying.relay_of_circuit(a) != self.identity.peer_id_b58]
         direct = [a for a in addrs if not relaying.is_circuit(a)]
         self.add_addrs(peer, direct)
-        pid = ID(peer)
+        pid = _peer_id(peer)
         network = self.libp2p.get_network()
         with contextlib.suppress(Exception):
             network.unblock_peer(pid)  # our own backoff decides when to retry
@@ -524,6 +524,17 @@ class OverlayHost:
     async def _dial_circuit(self, peer: bytes, circuit: str) -> None:
         """CONNECT to ``peer`` at the relay of ``circuit`` and upgrade the stream into a
         connection; the stream is reset if anything fails or is cancelled."""
+        import multiaddr
+        from libp2p.connection_types import ConnectionType
+        from libp2p.network.connection.raw_connection import RawConnection
+        from libp2p.peer.id import ID
+        from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+        from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+        from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+        from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+        from .relay import HOP_PROTOCOL
+
         relay_b58 = relaying.relay_of_circuit(circuit)
         if relay_b58 is None:
             raise PeerUnreachable(f"{circuit}: not a circuit address")
@@ -551,7 +562,7 @@ class OverlayHost:
 
     async def disconnect(self, peer: bytes) -> None:
         with contextlib.suppress(Exception), trio.move_on_after(2):
-            await self.libp2p.disconnect(ID(peer))
+            await self.libp2p.disconnect(_peer_id(peer))
 
     async def open_stream(self, peer: bytes, protocol: str, timeout_s: float | None = None):
         """A new stream to ``peer`` for ``protocol`` (dials if needed) within ``timeout_s``."""
@@ -559,7 +570,7 @@ class OverlayHost:
             raise PeerUnreachable("refusing to open a stream to ourselves")
         try:
             with trio.fail_after(timeout_s or self.stream_timeout_s):
-                return await self.libp2p.new_stream(ID(peer), [TProtocol(protocol)])
+                return await self.libp2p.new_stream(_peer_id(peer), [protocol])
         except trio.TooSlowError:
             if self.link_kind(peer) == "relayed":
                 # a circuit the relay cut (or a dead relay) can leave a connection that
@@ -651,7 +662,7 @@ class OverlayHost:
                 with contextlib.suppress(Exception):
                     await stream.reset()
 
-        self.libp2p.set_stream_handler(TProtocol(protocol), guarded)
+        self.libp2p.set_stream_handler(protocol, guarded)
 
 
 async def _reset_quietly(stream) -> None:

@@ -62,10 +62,13 @@ from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStore
 
+from .core.admission import InboundConn, inbound_victim
 from .core.dialing import DialGate
+from .core.identity import peer_id_to_b58
 
 __all__ = [
     "GuardedPeerStore",
+    "InboundGate",
     "LibraryDialRefused",
     "own_dial",
     "connection_config",
@@ -190,6 +193,72 @@ class QuietNotifee(INotifee):
 
     async def listen_close(self, network, multiaddr) -> None:
         pass
+
+
+def remote_multiaddr(conn) -> str:
+    """``/ip4|ip6/<ip>/tcp/<port>`` of a connection's remote end, or "" if unknown."""
+    try:
+        got = conn.muxed_conn.get_remote_address()
+    except Exception:  # a connection closing under us
+        return ""
+    if not got:
+        return ""
+    host, port = got[0], got[1]
+    return f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{port}"
+
+
+class InboundGate(QuietNotifee):
+    """Applies :attr:`OverlayHost.inbound_cap` to connections peers dial to us, and keeps
+    room for newcomers (:func:`~.core.admission.inbound_victim`)."""
+
+    def __init__(self, host) -> None:  # an OverlayHost (host.py imports us)
+        self.host = host
+
+    async def connected(self, network, conn) -> None:
+        if str(getattr(conn, "direction", "")) != "inbound":
+            return
+        peer = conn.muxed_conn.peer_id.to_bytes()
+        host = self.host
+        await self._make_room(network, peer)
+        if host.inbound_cap is None:
+            return
+
+        def is_stale(p: bytes) -> bool:
+            return not network.get_connections(ID(p)) or host.peer_is_down(p)
+
+        admitted, evicted = host.inbound_cap.admit(peer, remote_multiaddr(conn), is_stale)
+        for p in evicted:  # their slots went to the newcomer: close what is left of them
+            with contextlib.suppress(Exception):
+                await host.disconnect(p)
+        if admitted:
+            return
+        host.inbound_refused += 1
+        log.info("inbound connection from %s refused: its subnet holds its share",
+                 peer_id_to_b58(peer))
+        with contextlib.suppress(Exception):
+            await conn.close()
+
+    async def _make_room(self, network, newcomer: bytes) -> None:
+        conns = []
+        for c in network.get_connections():
+            if str(getattr(c, "direction", "")) != "inbound":
+                continue
+            with contextlib.suppress(Exception):
+                p = c.muxed_conn.peer_id.to_bytes()
+                conns.append(InboundConn(p, self.host.peer_is_known(p), len(c.get_streams()),
+                                         getattr(c, "_created_at", 0.0)))
+        victim = inbound_victim(conns, newcomer)
+        if victim is not None:
+            self.host.inbound_evicted += 1
+            log.debug("inbound connections near py-libp2p's limit: closed %s's for a newcomer",
+                      peer_id_to_b58(victim)[-8:])
+            with contextlib.suppress(Exception):
+                await self.host.disconnect(victim)
+
+    async def disconnected(self, network, conn) -> None:
+        peer_id = conn.muxed_conn.peer_id
+        if self.host.inbound_cap is not None and not network.get_connections(peer_id):
+            self.host.inbound_cap.release(peer_id.to_bytes())  # its last connection went
 
 
 class LibraryDialRefused(Exception):

@@ -45,7 +45,6 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.tools.constants import MAX_READ_LEN
 
 from .core import relaying as rl
-from .core.identity import peer_id_to_b58
 from .core.limits import subnet_of_multiaddr
 from .libp2p_guard import QuietNotifee
 
@@ -404,76 +403,3 @@ class ReservationKeeper:
             raise RuntimeError(f"refused: {status.name}")
         expire = resp.reservation.expire if resp.HasField("reservation") else 0
         return float(expire) if expire else time.time() + rl.RESERVATION_TTL_S
-
-
-def known_public_peers(directory, limit: int = 16) -> list[str]:
-    """Full multiaddrs of peers in ``directory`` whose addresses look public (relay
-    candidates after the bootstrap peers): newest-first, one address each."""
-    out: list[str] = []
-    for peer, known in list(directory.peers.items()):
-        for a in known.addrs:
-            if not rl.is_circuit(a) and rl.reachability_from_addrs([a]) == "public":
-                out.append(f"{a}/p2p/{peer_id_to_b58(peer)}")
-                break
-        if len(out) >= limit:
-            break
-    return out
-
-
-class NatRoles:
-    """Runs the relay service while we are ``public`` (and ``[nat].relay_service`` is on)
-    and the reservation keeper while we are ``private``; ``kind()`` is the node's current
-    verdict (the dial-back's, or :func:`~.core.relaying.reachability_from_addrs` until it
-    has one), looked at every :data:`CHECK_S`. A role that no longer fits is stopped (a
-    stopped keeper's circuit addresses are withdrawn through ``on_keeper_stop``)."""
-
-    CHECK_S = 1.0
-
-    def __init__(self, kind: Callable[[], str], *, relay: Callable[[], RelayService] | None,
-                 keeper: Callable[[], ReservationKeeper],
-                 on_keeper_stop: Callable[[], None] = lambda: None) -> None:
-        self.kind = kind
-        self._make_relay, self._make_keeper = relay, keeper
-        self.on_keeper_stop = on_keeper_stop
-        self.relay: RelayService | None = None
-        self.keeper: ReservationKeeper | None = None
-        self._scopes: dict[str, trio.CancelScope] = {}
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            task_status.started(self)
-            while True:
-                kind = self.kind()
-                want = {"public": "relay" if self._make_relay else None,
-                        "private": "keeper"}.get(kind)
-                for role in list(self._scopes):
-                    if role != want:
-                        self._scopes.pop(role).cancel()
-                        log.info("reachability now %s: %s stopped", kind, role)
-                        if role == "keeper":
-                            self.keeper = None
-                            self.on_keeper_stop()
-                        else:
-                            self.relay = None
-                if want and want not in self._scopes:
-                    await nursery.start(self._run_role, want)
-                await trio.sleep(self.CHECK_S)
-
-    async def _run_role(self, role: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with trio.CancelScope() as scope:
-            self._scopes[role] = scope
-            if role == "relay":
-                assert self._make_relay is not None
-                self.relay = self._make_relay()
-                service = self.relay
-            else:
-                self.keeper = self._make_keeper()
-                service = self.keeper
-            task_status.started()
-            try:
-                await service.run()
-            except trio.Cancelled:
-                raise
-            except Exception:  # the node keeps serving without this role
-                log.exception("%s stopped", role)
-            self._scopes.pop(role, None)

@@ -17,7 +17,7 @@ from prefixmesh.overlay.dialback import ReachabilityService
 from prefixmesh.overlay.holepunch import (
     DIAL_TIMEOUT_S,
     HolePunchService,
-    _CountingDCUtR,
+    counting_dcutr_class,
     should_punch,
 )
 from prefixmesh.overlay.host import OverlayHost
@@ -89,7 +89,7 @@ def test_only_the_lower_peer_id_leads_a_punch():
         low, high = sorted((a, b), key=lambda h: h.peer_id)
         async with a.run(), b.run():
             _, hp = _service(high, enabled=True)
-            dcutr = _CountingDCUtR(high.libp2p, hp)
+            dcutr = counting_dcutr_class()(high.libp2p, hp)
             # the higher id answers the lower one's session instead of starting its own:
             # no attempt, no dial
             with trio.fail_after(5):
