@@ -1,5 +1,22 @@
-"""``python -m prefixmesh``: the same as the ``prefixmesh`` console script."""
+"""``python -m prefixmesh`` and the ``prefixmesh`` console script (pyproject.toml).
 
-from prefixmesh.cli import main
+The CLI is imported inside :func:`main`: a Ctrl-C while it is still being imported or
+parsing its flags (the first ~50 ms of a start) exits with 130 and an empty line, as at
+any later moment (``prefixmesh/cli.py``), instead of a KeyboardInterrupt traceback.
+"""
 
-raise SystemExit(main())
+import sys
+
+
+def main() -> int:
+    try:
+        from prefixmesh.cli import main as cli_main
+
+        return cli_main()
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,8 @@ one-line message instead of an ImportError traceback.
 
 Errors: a user error (bad flag, bad config, missing file, unreachable peer) prints ONE line
 to stderr and exits non-zero (2 for command-line usage errors, 1 otherwise); ``-v`` adds
-the traceback of unexpected errors. Ctrl-C exits with 130.
+the traceback of unexpected errors. Ctrl-C exits with 130 (also while this module is still
+being imported: the console script enters through ``prefixmesh/__main__.py``).
 """
 
 from __future__ import annotations
