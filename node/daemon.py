@@ -257,7 +257,8 @@ class Node:
         self.dht = None
         self.mdns = None
         self.started = trio.Event()  # everything runs (the overlay too)
-        # the engine is loaded and the HTTP gateway serves: a signal now stops gracefully
+        # the engine is loaded and the HTTP gateway (when configured) serves: a signal now
+        # stops the node gracefully instead of exiting at once
         self.answering = False
         self._cancel: trio.CancelScope | None = None
         self._stopping = False
