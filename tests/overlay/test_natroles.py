@@ -49,7 +49,9 @@ def test_the_role_follows_the_reachability_verdict():
             assert log == ["relay started"] and roles.relay is not None
             kind[0] = "private"
             await trio.sleep(2 * NatRoles.CHECK_S)
-            assert log == ["relay started", "relay stopped", "keeper started"]
+            # the relay's cancellation and the keeper's start run in either order
+            assert log[0] == "relay started"
+            assert sorted(log[1:]) == ["keeper started", "relay stopped"]
             assert roles.relay is None and roles.keeper is not None
             kind[0] = "unknown"
             await trio.sleep(2 * NatRoles.CHECK_S)
