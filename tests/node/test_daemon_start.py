@@ -1,6 +1,7 @@
 """A node answers HTTP on its engine before it joins the overlay (node/daemon.py,
 "Start-up"): py-libp2p's import (~0.5 s) no longer stands between the model load and the
-first answer. Node processes with the simulated engine (no model) on 127.0.0.1."""
+first answer. Node processes with the simulated engine (no model) on 127.0.0.1: both APIs
+(OpenAI, Ollama) and the operator endpoints answer before the overlay starts."""
 
 from __future__ import annotations
 
@@ -85,9 +86,15 @@ def test_the_node_answers_http_before_it_joins_the_overlay_and_stops_gracefully(
                 "messages": [{"role": "user", "content": "hello"}]})
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["message"]["content"]
-            for path in ("/healthz", "/prefixmesh/status", "/metrics", "/prefixmesh/overview"):
+            for path in ("/healthz", "/prefixmesh/status", "/metrics", "/prefixmesh/overview",
+                         "/api/tags"):
                 got = client.get(f"{url}{path}")
                 assert got.status_code == 200, (path, got.text)
+            ollama = client.post(f"{url}/api/chat", json={
+                "model": model, "stream": False, "options": {"num_predict": 4},
+                "messages": [{"role": "user", "content": "hello"}]})
+            assert ollama.status_code == 200, ollama.text
+            assert ollama.json()["message"]["content"]
         # all that while the overlay had not started: no address, no "ready" yet
         assert out.read_text() == ""
         # served requests: a signal now stops the node gracefully (not "exit at once")
