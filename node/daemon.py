@@ -407,8 +407,9 @@ class Node:
                 await serving.start(serve_node_http, self)  # [http].listen, [metrics].listen
                 serving.start_soon(self._watch_signals)
                 self.answering = True
+                answering_since = time.monotonic()
                 async with self.host.run():  # loads py-libp2p, in a thread
-                    await self._run_services(task_status)
+                    await self._run_services(task_status, answering_since)
                     # services stopped: flush the KV cache while the host still closes
                     # below (a host that hangs on close cannot cost us the flush)
                     self._stop_phase("services stopped")
@@ -432,7 +433,7 @@ class Node:
         if self._stop_t0 is not None:
             log.debug("stop: %s after %.2f s", what, self.stop_took_s)
 
-    async def _run_services(self, task_status) -> None:
+    async def _run_services(self, task_status, answering_since: float) -> None:
         opts, cfg = self.options, self.config
         now = time.time()
         # epoch: a new incarnation per start (ms clock), so peers never confuse our streams
@@ -522,6 +523,10 @@ class Node:
                 self.mdns = MdnsDiscovery(self.host, self.directory, self.advertised_addrs())
                 nursery.start_soon(self.mdns.run)
             self._write_addr_file()
+            log.info("joined the overlay as %s, listening on %s (%.1f s after the engine "
+                     "began answering)", self.identity.peer_id_b58,
+                     ", ".join(self.advertised_addrs()) or "no address",
+                     time.monotonic() - answering_since)
             # started before "ready": a supervisor that signals on "ready" gets a graceful stop
             self.started.set()
             if opts.print_addrs:

@@ -35,6 +35,12 @@ def test_json_log_format_every_line_parses(tmp_path):
     docs = [json.loads(ln) for ln in lines]  # every line is one JSON object
     assert all({"ts", "level", "logger", "msg"} <= d.keys() for d in docs)
     assert any(d["logger"] == "prefixmesh.node" and "shutting down" in d["msg"] for d in docs)
+    # the start's milestones: the engine loaded (it answers), then the overlay joined
+    msgs = [d["msg"] for d in docs if d["logger"] == "prefixmesh.node"]
+    loaded = next(i for i, m in enumerate(msgs) if m.startswith("loading the model and "
+                                                                  "checking the KV cache: done"))
+    joined = next(i for i, m in enumerate(msgs) if m.startswith("joined the overlay as "))
+    assert loaded < joined and node.peer_b58 in msgs[joined], msgs
     # the per-request line carries its facts as fields
     (req,) = [d for d in docs if d["logger"] == "prefixmesh.requests"]
     assert req["level"] == "info" and req["entry"] is True and req["action"] == "serve"
