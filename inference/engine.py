@@ -169,18 +169,10 @@ _MIN_PREFILL_FOR_RATE = 16
 _load_lock = threading.Lock()
 
 
-class _KeepStdio:
+def _keep_stdio(disable: bool = True) -> contextlib.AbstractContextManager:
     """Stands in for llama-cpp-python's ``suppress_stdout_stderr`` during our load
     (``Engine._load_model``): leaves the process's stdout and stderr alone."""
-
-    def __init__(self, disable: bool = True) -> None:
-        pass
-
-    def __enter__(self) -> _KeepStdio:
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        return None
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------- errors
@@ -832,7 +824,7 @@ class Engine:
             # already limits to errors: nothing else needs silencing (checked)
             suppress = llama_cpp.llama.suppress_stdout_stderr, _internals.suppress_stdout_stderr
             llama_cpp.llama.suppress_stdout_stderr = _internals.suppress_stdout_stderr = \
-                _KeepStdio
+                _keep_stdio
             try:
                 llama = llama_cpp.Llama(
                     model_path=str(self.model_path),

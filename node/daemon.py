@@ -257,9 +257,9 @@ class Node:
         self.dht = None
         self.mdns = None
         self.started = trio.Event()  # everything runs (the overlay too)
-        # the engine is loaded and the HTTP gateway (when configured) serves: a signal now
-        # stops the node gracefully instead of exiting at once
-        self.answering = False
+        # since when the engine is loaded and the HTTP gateway (when configured) serves;
+        # from then on a signal stops the node gracefully instead of exiting at once
+        self._answering_since: float | None = None
         self._cancel: trio.CancelScope | None = None
         self._stopping = False
         self._stop_t0: float | None = None  # when shutdown() began
@@ -406,10 +406,9 @@ class Node:
                 # docstring, "Start-up")
                 await serving.start(serve_node_http, self)  # [http].listen, [metrics].listen
                 serving.start_soon(self._watch_signals)
-                self.answering = True
-                answering_since = time.monotonic()
+                self._answering_since = time.monotonic()
                 async with self.host.run():  # loads py-libp2p, in a thread
-                    await self._run_services(task_status, answering_since)
+                    await self._run_services(task_status)
                     # services stopped: flush the KV cache while the host still closes
                     # below (a host that hangs on close cannot cost us the flush)
                     self._stop_phase("services stopped")
@@ -433,7 +432,7 @@ class Node:
         if self._stop_t0 is not None:
             log.debug("stop: %s after %.2f s", what, self.stop_took_s)
 
-    async def _run_services(self, task_status, answering_since: float) -> None:
+    async def _run_services(self, task_status) -> None:
         opts, cfg = self.options, self.config
         now = time.time()
         # epoch: a new incarnation per start (ms clock), so peers never confuse our streams
@@ -526,7 +525,7 @@ class Node:
             log.info("joined the overlay as %s, listening on %s (%.1f s after the engine "
                      "began answering)", self.identity.peer_id_b58,
                      ", ".join(self.advertised_addrs()) or "no address",
-                     time.monotonic() - answering_since)
+                     time.monotonic() - self._answering_since)
             # started before "ready": a supervisor that signals on "ready" gets a graceful stop
             self.started.set()
             if opts.print_addrs:
@@ -607,7 +606,7 @@ class Node:
         def on_signal(signum: int, _frame) -> None:
             self.signalled = True
             received.append(signum)
-            if not self.answering:
+            if self._answering_since is None:
                 exit_now(130, f"signal {signum} during start-up: exiting now")
             if len(received) > 1:
                 exit_now(130, f"signal {signum} again: exiting now")

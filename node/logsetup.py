@@ -139,17 +139,11 @@ def configure_logging(level: str = "info", fmt: str = "text",
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric)
-    _adopt_library_loggers()
-    return handler
-
-
-def _adopt_library_loggers() -> None:
-    """Route the libraries' loggers (:data:`LIBRARIES`) to the root's handler, where
-    :class:`LibraryFilter` keeps them at DEBUG."""
-    numeric = logging.getLogger().level
+    # the libraries' loggers go to our handler, where LibraryFilter keeps them at DEBUG
     for name in LIBRARIES:
         lib = logging.getLogger(name)
         lib.handlers.clear()
         lib.propagate = True
         # below WARNING a library record is not even created unless we show DEBUG
         lib.setLevel(logging.DEBUG if numeric <= logging.DEBUG else logging.WARNING)
+    return handler

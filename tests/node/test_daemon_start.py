@@ -14,8 +14,6 @@ import time
 
 import httpx
 
-from prefixmesh.node.process import NodeOptions  # noqa: F401  (the script's import, checked)
-
 # importing these must not import py-libp2p: they are what a node needs to serve HTTP
 SERVING_MODULES = ("prefixmesh.node.daemon", "prefixmesh.node.http_gateway",
                    "prefixmesh.overlay.infer", "prefixmesh.overlay.host")
