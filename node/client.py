@@ -393,10 +393,19 @@ def _local_node_addr(cfg: Any) -> str | None:
 
 async def resolve_client_peer(cfg: Any, *, mdns_timeout_s: float = 3.0) -> str:
     """Where a CLI client connects: ``[client].peer`` (``--peer``), else the local node's
-    address file, else the first node that answers on the LAN over mDNS."""
+    address file, else the first node that answers on the LAN over mDNS, unless the
+    configuration turns mDNS off (``[node] mdns = false``: then no prompt goes to a node
+    the user did not name)."""
     addr = cfg.client.peer or _local_node_addr(cfg)
     if addr:
         return addr
+    local = Path(cfg.node.cache_dir) / LOCAL_NODE_FILE
+    if not cfg.node.mdns:
+        raise ConnectFailed(
+            f"no --peer given, no local node ({local} missing), and mDNS is off in the "
+            "configuration ([node] mdns = false): start `prefixmesh node` or pass --peer "
+            "/ip4/.../tcp/.../p2p/ID"
+        )
     from prefixmesh.overlay.discovery import find_lan_nodes
 
     try:
@@ -408,8 +417,8 @@ async def resolve_client_peer(cfg: Any, *, mdns_timeout_s: float = 3.0) -> str:
         reason = ""
     if not lan:
         raise ConnectFailed(
-            f"no --peer given, no local node ({Path(cfg.node.cache_dir) / LOCAL_NODE_FILE} "
-            f"missing) and no node answered on the LAN over mDNS{reason}: start "
+            f"no --peer given, no local node ({local} missing) and no node answered on "
+            f"the LAN over mDNS{reason}: start "
             "`prefixmesh node` or pass --peer /ip4/.../tcp/.../p2p/ID"
         )
     return lan[0]
