@@ -339,6 +339,12 @@ class LlamaBackend:
         return getattr(self.engine, "n_ctx", None)
 
     @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (None until loaded): prompts given as token ids are
+        checked against it at the gateway."""
+        return getattr(self.engine, "n_vocab", None)
+
+    @property
     def batched(self) -> bool:
         """True when the engine decodes in shared batches ("throughput" mode): its greedy
         output is not bit-identical to a single-sequence run (spot checks are lenient)."""

@@ -624,7 +624,7 @@ class Engine:
         with self._vocab_lock:
             if self._llama is None:
                 raise EngineClosed("the engine is closed")
-            return _Grammar(self._lib, self._vocab, self._n_vocab, text)
+            return _Grammar(self._lib, self._vocab, self.n_vocab, text)
 
     def check_grammar(self, text: str) -> None:
         """Raise :class:`InvalidRequestError` if llama.cpp cannot compile the GBNF ``text``
@@ -681,7 +681,7 @@ class Engine:
         ns = ns or self.default_namespace
         if not tokens:
             raise EmptyPromptError("the prompt has no tokens")
-        n_vocab = self._n_vocab
+        n_vocab = self.n_vocab
         if any(not isinstance(t, int) or t < 0 or t >= n_vocab for t in tokens):
             raise InvalidRequestError(f"token ids must be integers in [0, {n_vocab})")
         if len(tokens) + params.max_tokens > self.n_ctx:
@@ -858,7 +858,7 @@ class Engine:
         self._ctx = llama._ctx.ctx
         self._mem = lib.llama_get_memory(self._ctx)
         self._vocab = llama._model.vocab
-        self._n_vocab = llama.n_vocab()
+        self.n_vocab = llama.n_vocab()
         self.n_ctx = llama.n_ctx()
         # A sliding-window model's saved state may only be continued exactly where it ends,
         # never cut back to a shorter prefix (measured: wrong logits otherwise).
@@ -869,7 +869,7 @@ class Engine:
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
 
         def token_text(tid):
-            if tid is None or not 0 <= tid < self._n_vocab:
+            if tid is None or not 0 <= tid < self.n_vocab:
                 return ""
             return llama._model.token_get_text(tid)
 
@@ -911,7 +911,7 @@ class Engine:
 
     def _logits(self) -> np.ndarray:
         ptr = self._lib.llama_get_logits_ith(self._ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def _snapshot(self, seq: int = 0) -> ctypes.Array:
         lib = self._lib
@@ -1575,7 +1575,7 @@ class Engine:
                 slot.stats.prefill_s = now - slot.t_prefill
                 slot.stats.prefill_tokens = len(slot.h.tokens) - slot.stats.cached_tokens
             ptr = lib.llama_get_logits_ith(self._ctx, idx)
-            logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+            logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
             tok, info = self._choose(slot.h, logits, slot.rng)
             if slot.t_first == 0.0:
                 slot.t_first = time.perf_counter()

@@ -254,7 +254,8 @@ class GenerationJob:
     sampling: SamplingOptions
     deadline_s: float  # relative: seconds from now
     messages: tuple[tuple[str, str], ...] = ()  # chat: rendered with the model's template
-    prompt: str | None = None  # completions: raw text, tokenized as is
+    # completions: raw text (tokenized as is) or token ids of our model (used as they are)
+    prompt: str | tuple[int, ...] | None = None
     grammar: str = ""  # llama.cpp GBNF the answer must follow ("": unconstrained)
     # chat with tools: (messages, tools) as OpenAI dicts, rendered by the model's own
     # template when it supports tools (else ``messages``, the generic rendering, is used)
@@ -567,6 +568,10 @@ class GatewayApp:
                 raise NotFound(f"model {req.model[:120]!r} does not exist: no node of the mesh "
                                "serves it now (see GET /v1/models)",
                                param="model", code="model_not_found")
+            if fp and isinstance(job.prompt, tuple):  # ids of another vocabulary than ours
+                raise BadRequest("a prompt of token ids is taken for this node's own model "
+                                 "only (the first of GET /v1/models): send text for a model "
+                                 "another node serves", param="prompt", code="unsupported_value")
             job = dataclasses.replace(job, model=fp)
             if self.active >= s.max_concurrent:
                 raise NoCapacity(f"the gateway is serving {self.active} requests, its limit")
@@ -1149,6 +1154,13 @@ class NodeGatewayBackend:
                 if job.tool_chat is not None and getattr(self.backend, "supports_tools", False):
                     return tuple(await self.backend.tokenize_chat(*job.tool_chat))
                 return tuple(await self.backend.tokenize(job.messages))
+            if isinstance(job.prompt, tuple):
+                n_vocab = getattr(self.backend, "vocab_size", None)  # None: the engine checks
+                if n_vocab is not None and max(job.prompt) >= n_vocab:
+                    raise BadRequest(f"token id {max(job.prompt)} in 'prompt' is not in the "
+                                     f"model's vocabulary of {n_vocab}", param="prompt",
+                                     code="invalid_value")
+                return job.prompt
             return tuple(await self.backend.tokenize_text(job.prompt))
         except (BackendError, ValueError) as exc:
             raise BadRequest(f"cannot render the prompt: {exc}", code="invalid_prompt") from None

@@ -11,7 +11,8 @@ Validation is strict about what we act on and lenient about what we ignore:
 * ``model`` (string) and ``messages`` / ``prompt`` are required; roles are ``system``,
   ``developer`` (treated as ``system``), ``user``, ``assistant`` (with ``tool_calls``, then
   its content may be null) and ``tool`` (with ``tool_call_id``); content is a string or a
-  list of ``{"type": "text", "text": ...}`` parts;
+  list of ``{"type": "text", "text": ...}`` parts; a completion's ``prompt`` is text or
+  one prompt of token ids;
 * tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) and structured output
   (``response_format`` ``json_object`` / ``json_schema``) are parsed by
   :mod:`.openai_tools`, which also renders tools into the prompt; ``logprobs`` (chat: a
@@ -218,7 +219,7 @@ class ChatRequest:
 @dataclass(frozen=True)
 class CompletionRequest:
     model: str
-    prompt: str
+    prompt: str | tuple[int, ...]  # raw text, or token ids of the model's vocabulary
     sampling: SamplingOptions
     stream: bool = False
     include_usage: bool = False
@@ -472,18 +473,27 @@ def bad_request(exc: Any) -> BadRequest:
 
 def parse_completion_request(obj: Mapping[str, Any], *, default_max_tokens: int
                              ) -> CompletionRequest:
-    """A ``POST /v1/completions`` body (``prompt`` is one string, or a one-string array)."""
+    """A ``POST /v1/completions`` body. ``prompt`` is one string (or a one-string array),
+    or one prompt of token ids (an array of integers, or an array holding one such array):
+    the OpenAI forms of a single prompt. Token ids are used as they are (no BOS added);
+    that they are in the model's vocabulary is checked where the model is known."""
     model = _string(obj, "model", required=True)
     prompt = obj.get("prompt")
     if prompt is None:
         raise BadRequest("'prompt' is required", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise BadRequest("'prompt' must be a string (or an array of exactly one string)",
+        if not all(type(t) is int for t in prompt):  # bool is an int, not a token id
+            raise BadRequest("'prompt' must be a string or one prompt of token ids (an array "
+                             "of integers); a batch of several prompts is not supported",
                              param="prompt", code="unsupported_value")
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise _bad_type("prompt", "a string", prompt)
+        if any(t < 0 for t in prompt):
+            raise BadRequest("token ids in 'prompt' must not be negative", param="prompt",
+                             code="invalid_value")
+        prompt = tuple(prompt)
+    elif not isinstance(prompt, str):
+        raise _bad_type("prompt", "a string or an array of token ids", prompt)
     if not prompt:
         raise BadRequest("'prompt' must not be empty", param="prompt", code="invalid_value")
     _refuse_unsupported(obj, chat=False)

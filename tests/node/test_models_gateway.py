@@ -78,3 +78,19 @@ def test_a_raw_prompt_for_another_model_goes_in_the_job_as_text():
         r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
             "model": "no-such-model", "max_tokens": 2, "prompt": "Once"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_prompt_of_token_ids_is_refused_for_another_model():
+    """Token ids are our model's vocabulary: for another model's node they are a 400 naming
+    ``prompt`` (text is what travels to it); for ours they go in the job as they are."""
+    with running(MeshBackend()) as (gw, backend):
+        r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
+            "model": "other-model", "max_tokens": 2, "prompt": [1, 2, 3]})
+        assert r.status_code == 400
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == \
+            ("prompt", "unsupported_value")
+        assert backend.jobs == []
+        r = httpx.post(gw.url + "/v1/completions", timeout=10, json={
+            "model": MODEL, "max_tokens": 2, "prompt": [[1, 2, 3]]})
+        assert r.status_code == 200, r.text
+        assert (backend.jobs[-1].prompt, backend.jobs[-1].model) == ((1, 2, 3), b"")

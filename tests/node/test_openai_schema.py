@@ -119,11 +119,24 @@ def test_chat_request_refusals(body, param, code):
 
 
 def test_completion_request_prompt_forms():
-    ok = s.parse_completion_request({"model": "m", "prompt": ["one"]}, default_max_tokens=16)
-    assert ok.prompt == "one"
-    for prompt in (["a", "b"], [1, 2], "", 5):
-        with pytest.raises(s.BadRequest):
-            s.parse_completion_request({"model": "m", "prompt": prompt}, default_max_tokens=16)
+    def parse(prompt):
+        return s.parse_completion_request({"model": "m", "prompt": prompt},
+                                          default_max_tokens=16).prompt
+
+    assert parse(["one"]) == "one"
+    # one prompt of token ids, bare or as a batch of one: used as they are
+    assert parse([1, 2, 0]) == (1, 2, 0)
+    assert parse([[7, 8]]) == (7, 8)
+    assert parse([5]) == (5,)
+    for prompt, code in ((["a", "b"], "unsupported_value"), ([[1], [2]], "unsupported_value"),
+                         ([1, "a"], "unsupported_value"), ([True, 2], "unsupported_value"),
+                         ([1.0, 2], "unsupported_value"), ([["a"]], "unsupported_value"),
+                         ([1, -1], "invalid_value"), ([], "invalid_value"),
+                         ([[]], "invalid_value"), ("", "invalid_value"),
+                         (5, "invalid_type"), ({"t": 1}, "invalid_type")):
+        with pytest.raises(s.BadRequest) as ei:
+            parse(prompt)
+        assert (ei.value.param, ei.value.code) == ("prompt", code), prompt
     for extra in ({"echo": True}, {"suffix": "x"}, {"best_of": 2}):
         with pytest.raises(s.BadRequest):
             s.parse_completion_request({"model": "m", "prompt": "p", **extra},

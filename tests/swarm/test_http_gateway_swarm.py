@@ -157,6 +157,39 @@ def test_completions_and_errors_on_a_real_node(nodes):
     wait_until(lambda: c.status()["inflight"] == 0, timeout_s=10, what="C idle")
 
 
+def test_a_prompt_of_token_ids_is_served_as_the_text_with_those_tokens(nodes):
+    """OpenAI's ``prompt`` as token ids: the same answer as the text whose tokenization they
+    are (greedy), counted as those tokens; ids outside the vocabulary are a 400 naming
+    ``prompt``, and the node serves on."""
+    import llama_cpp
+    from _model_fixture import default_model_path
+
+    vocab = llama_cpp.Llama(str(default_model_path()), vocab_only=True, verbose=False)
+    text = "The clerk counted: 1, 2, 3, 4, 5,"
+    # what the engine does with a completion's text: special tokens parsed, no BOS
+    ids = vocab.tokenize(text.encode(), add_bos=False, special=True)
+    c = nodes[0]["C"]
+    by_text = c.client().completions.create(model="prefixmesh", prompt=text, max_tokens=8,
+                                            temperature=0)
+    for prompt in (ids, [ids]):
+        by_ids = c.client().completions.create(model="prefixmesh", prompt=prompt,
+                                                  max_tokens=8, temperature=0)
+        assert by_ids.choices[0].text == by_text.choices[0].text
+        assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+    url, h = c.url + "/v1/completions", c.headers
+    for bad in ([*ids, vocab.n_vocab()], [[1, 2], [3]], [1, True]):
+        r = httpx.post(url, headers=h, json={"model": "prefixmesh", "prompt": bad,
+                                               "max_tokens": 2})
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["param"] == "prompt"
+    assert "vocabulary" in httpx.post(url, headers=h, json={
+        "model": "prefixmesh", "prompt": [vocab.n_vocab()]}).json()["error"]["message"]
+    again = c.client().completions.create(model="prefixmesh", prompt=ids, max_tokens=8,
+                                          temperature=0)
+    assert again.choices[0].text == by_text.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_disconnect_mid_stream_cancels_generation_on_the_serving_node(nodes):
     ns, swarm = nodes
     a = ns["A"]
