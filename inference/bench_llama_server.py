@@ -10,8 +10,9 @@ with the same llama thread count (``--threads``, default 1 each). Not part of CI
   dies with an illegal instruction on the project's CPU), ``-c N_CTX``, prompt cache on
   (``cache_prompt``; its default ``--cache-ram`` host-RAM prompt cache too). Requests go to
   ``/v1/completions`` with the prompt as token ids.
-- prefixmesh: ``/v1/completions`` with the prompt text whose tokenization (the engine's:
-  special tokens parsed, no BOS) is exactly those ids; every answer's
+- prefixmesh: ``/v1/completions`` with the same token ids (the prompts are texts whose
+  tokenization, the engine's: special tokens parsed, no BOS, is exactly those ids; until
+  2026-12-06 the node was sent the text and tokenized it); every answer's
   ``usage.prompt_tokens`` is checked against them. One node per batch mode
   (``--modes``: ``deterministic`` with ``live_sequence`` on, ``throughput``).
 
@@ -259,8 +260,7 @@ class _Server:
         except OSError:
             return ""
 
-    def body(self, prompt_text: str, tokens: list[int], max_tokens: int,
-             stream: bool) -> dict:
+    def body(self, tokens: list[int], max_tokens: int, stream: bool) -> dict:
         raise NotImplementedError
 
 
@@ -278,7 +278,7 @@ class _LlamaServer(_Server):
                 "--port", str(self.port), "-t", str(self.threads), "-tb", str(self.threads),
                 "-c", str(self.n_ctx), "-ngl", "0", *LLAMA_SERVER_FLAGS]
 
-    def body(self, prompt_text, tokens, max_tokens, stream):
+    def body(self, tokens, max_tokens, stream):
         out = {"model": "m", "prompt": list(tokens), "max_tokens": max_tokens,
                "temperature": 0.0, "stream": stream, "cache_prompt": True}
         if stream:
@@ -330,8 +330,8 @@ class _Node(_Server):
             pass
         return found
 
-    def body(self, prompt_text, tokens, max_tokens, stream):
-        out = {"model": "prefixmesh", "prompt": prompt_text, "max_tokens": max_tokens,
+    def body(self, tokens, max_tokens, stream):
+        out = {"model": "prefixmesh", "prompt": list(tokens), "max_tokens": max_tokens,
                "temperature": 0.0, "stream": stream}
         if stream:
             out["stream_options"] = {"include_usage": True}
@@ -375,10 +375,10 @@ def _server_ttft(res: _Result, obj: dict) -> None:
         res.server_ttft_s = float(timings["prompt_ms"]) / 1000
 
 
-def _request(client, server: _Server, text: str, tokens: list[int], max_tokens: int,
+def _request(client, server: _Server, tokens: list[int], max_tokens: int,
              stream: bool) -> _Result:
     res = _Result()
-    body = server.body(text, tokens, max_tokens, stream)
+    body = server.body(tokens, max_tokens, stream)
     url = server.url + "/v1/completions"
     t0 = time.perf_counter()
     if not stream:
@@ -456,7 +456,7 @@ class _Bench:
     def one(self, server: _Server, text: str, max_tokens: int, stream: bool = True,
             client=None, tokens: list[int] | None = None) -> _Result:
         tokens = self.p.tokenize(text) if tokens is None else tokens
-        res = _request(client or self.client, server, text, tokens, max_tokens, stream)
+        res = _request(client or self.client, server, tokens, max_tokens, stream)
         if res.prompt_tokens is not None and res.prompt_tokens != len(tokens):
             self.token_mismatches += 1
             self.log(f"warning: {server.name} counted {res.prompt_tokens} prompt tokens, "
