@@ -53,6 +53,9 @@ def test_parsers_accept_or_refuse_with_bad_request(obj):
             assert 0 <= sp.seed <= s.MAX_SEED
             assert all(isinstance(x, str) and x for x in sp.stop)
             assert isinstance(req.model, str)
+            if parse is s.parse_completion_request:  # text, or token ids used as they are
+                assert req.prompt and (isinstance(req.prompt, str) or all(
+                    type(t) is int and t >= 0 for t in req.prompt))
 
 
 def test_valid_chat_request_fields():
