@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import trio
 
@@ -22,7 +22,7 @@ from prefixmesh.inference.backend import Backend, BackendError, GenerateRequest,
 from .core import wire
 from .core.identity import peer_id_to_b58
 from .core.peerindex import PeerCacheIndex
-from .core.trust import DRIFT, MISMATCH, SpotChecker, TrustTracker
+from .core.trust import MISMATCH, SpotChecker, TrustTracker, judge_batched
 from .forwarding import Observed
 
 __all__ = ["SpotCheckRunner"]
@@ -38,6 +38,42 @@ class _SpotJob:
     peer: bytes  # the next hop we forwarded to (accountable for what it returned)
     req: wire.Request
     observed: Observed
+
+
+@dataclass(frozen=True)
+class _Rerun:
+    """The local greedy re-execution: its pieces of text, token ids, and per token how far
+    it led the runner-up (nats; None where the engine gave no alternatives)."""
+
+    text: list[str]
+    ids: list[int]
+    leads: list[float | None]
+
+    def lead_at(self, index: int | None, unit: str) -> float | None:
+        """The lead of the token at ``index`` (a token index, or a character index into
+        the text for ``unit`` "char"); None past the end or where it is not known."""
+        if index is None:
+            return None
+        if unit == "char":  # the piece holding that character (one token per piece)
+            end = 0
+            for k, piece in enumerate(self.text):
+                end += len(piece)
+                if index < end:
+                    index = k
+                    break
+            else:
+                return None
+            if len(self.text) != len(self.leads):
+                return None  # pieces of several tokens: which one is not known
+        return self.leads[index] if index < len(self.leads) else None
+
+
+def _leads(chunk: TokenChunk) -> list[float | None]:
+    """Per token of ``chunk``, its lead over the runner-up (None without alternatives)."""
+    if len(chunk.logprobs) != len(chunk.token_ids):
+        return [None] * len(chunk.token_ids)
+    return [lp.top[0][1] - lp.top[1][1] if len(lp.top) >= 2 else None
+            for lp in chunk.logprobs]
 
 
 class SpotCheckRunner:
@@ -100,7 +136,7 @@ class SpotCheckRunner:
         final_batched = observed.final is not None and observed.final.batched
         return final_batched or bool(getattr(self.backend, "batched", False))
 
-    async def _rerun(self, req: wire.Request) -> tuple[list[str], list[int]] | None:
+    async def _rerun(self, req: wire.Request) -> _Rerun | None:
         """The local engine's greedy answer to ``req``; None when it could not run."""
         gen_req = GenerateRequest(
             ns=req.ns,
@@ -110,9 +146,11 @@ class SpotCheckRunner:
             top_p=req.sampling.top_p,
             seed=req.sampling.seed,
             deadline=self.clock() + self.timeout_s,
+            logprobs=2,  # the runner-up of every token: how clear each choice was
         )
         text: list[str] = []
         ids: list[int] = []
+        leads: list[float | None] = []
         try:
             with trio.fail_after(self.timeout_s):
                 async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
@@ -120,31 +158,30 @@ class SpotCheckRunner:
                         if isinstance(ev, TokenChunk):
                             text.append(ev.text)
                             ids.extend(ev.token_ids)
+                            leads.extend(_leads(ev))
         except (BackendError, trio.TooSlowError) as exc:
             # the engine could not re-execute (busy, deadline): no verdict either way
             self.stats["spot_failed"] += 1
             log.info("spot check of %s not run: %s", req.id.hex()[:8], exc)
             return None
-        return text, ids
+        return _Rerun(text, ids, leads)
 
     async def _check(self, job: _SpotJob) -> None:
         req, observed = job.req, job.observed
         rerun = await self._rerun(req)
         if rerun is None:
             return
-        text, ids = rerun
         assert self.checker is not None
-        if observed.ids_complete and (ids or observed.ids):
-            expected, got, unit = ids, observed.ids, "token"
+        if observed.ids_complete and (rerun.ids or observed.ids):
+            expected, got, unit = rerun.ids, observed.ids, "token"
         else:  # the peer sent text only (stream=False): compare code points
-            expected, got, unit = [ord(c) for c in "".join(text)], \
+            expected, got, unit = [ord(c) for c in "".join(rerun.text)], \
                 [ord(c) for c in "".join(observed.text)], "char"
         verdict = self.checker.compare(job.peer, req.id, expected, got)
         if verdict.kind == MISMATCH and self._batched(observed):
             # batched kernels are not bit-identical to a single-sequence run: a divergence
-            # proves nothing, so it is a drift (no penalty), never a mismatch
-            verdict = replace(verdict, kind=DRIFT,
-                              reason=f"{verdict.reason} (batched answer: judged as drift)")
+            # at a near-tie proves nothing (drift, no penalty); at a clear choice it does
+            verdict = judge_batched(verdict, rerun.lead_at(verdict.first_mismatch, unit))
         self.stats["spot_checks"] += 1
         self.stats[{"match": "spot_matches", "mismatch": "spot_mismatches"}.get(
             verdict.kind, "spot_drifts")] += 1

@@ -22,6 +22,7 @@ from prefixmesh.overlay.core.routing import (
     make_policy,
 )
 from prefixmesh.overlay.core.trust import (
+    BATCHED_TIE_NATS,
     DRIFT,
     INITIAL_TRUST,
     MATCH,
@@ -33,6 +34,7 @@ from prefixmesh.overlay.core.trust import (
     SpotChecker,
     SpotCheckVerdict,
     TrustTracker,
+    judge_batched,
     observations_to_floor,
 )
 
@@ -431,3 +433,33 @@ def test_convincing_peer_is_capped_by_share_limiter():
         window = forwards[max(0, j - 99) : j + 1]
         assert window.count(liar) / len(window) <= 0.5
     assert forwards[-100:].count(liar) == 50
+
+
+def _compared(expected, got) -> SpotCheckVerdict:
+    return SpotChecker(rng=random.Random(0)).compare(P, b"r", expected, got)
+
+
+def test_a_batched_mismatch_is_a_drift_only_at_a_near_tie():
+    wrong = _compared([1, 2, 3], [1, 9, 3])
+    assert wrong.kind == MISMATCH and wrong.first_mismatch == 1
+    near = judge_batched(wrong, 0.25)
+    assert near.kind == DRIFT and "near-tie" in near.reason
+    assert judge_batched(wrong, BATCHED_TIE_NATS).kind == DRIFT  # the bound itself: a tie
+    clear = judge_batched(wrong, 3.0)
+    assert clear.kind == MISMATCH and "3.00 nats" in clear.reason
+    assert clear.first_mismatch == 1 and clear.got == wrong.got  # the evidence stays
+    assert judge_batched(wrong, None).kind == DRIFT  # margin not known: no proof
+
+
+@given(st.lists(st.integers(0, 5), max_size=6), st.lists(st.integers(0, 5), max_size=6),
+       st.none() | st.floats(0, 50))
+def test_judging_a_batched_answer_only_ever_softens_a_mismatch(expected, got, lead):
+    before = _compared(expected, got)
+    after = judge_batched(before, lead)
+    if before.kind != MISMATCH:
+        assert after == before
+    else:
+        assert after.kind == (MISMATCH if lead is not None and lead > BATCHED_TIE_NATS
+                              else DRIFT)
+        assert (after.first_mismatch, after.expected, after.got) == \
+            (before.first_mismatch, before.expected, before.got)

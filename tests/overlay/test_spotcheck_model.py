@@ -1,0 +1,109 @@
+"""Spot checks of batched answers on the real model: continuous batching is not
+bit-identical to a single-sequence run, so a divergence at a near-tie is a drift; a FINAL
+that says "batched" must not excuse a token the re-execution chose by a clear margin."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+
+import pytest
+import trio
+from _model_fixture import TEST_THREADS, default_model_path
+
+from prefixmesh.inference.backend import LlamaBackend
+from prefixmesh.inference.bench_kvtype import chat_prompts
+from prefixmesh.inference.engine import Engine, SamplingParams
+from prefixmesh.overlay.core import wire
+from prefixmesh.overlay.core.identity import peer_id_from_public_key
+from prefixmesh.overlay.core.trust import BATCHED_TIE_NATS, SpotChecker, TrustTracker
+from prefixmesh.overlay.forwarding import Observed
+from prefixmesh.overlay.spotcheck import SpotCheckRunner
+
+pytestmark = pytest.mark.slow
+
+PEER = peer_id_from_public_key(b"\x03" * 32)
+NS = b"s" * 8
+MAX_TOKENS = 32
+PROMPTS = 16
+
+
+class _Index:
+    def __init__(self, model: bytes) -> None:
+        self.model = model
+
+    def estimate(self, peer: bytes):
+        return dataclasses.make_dataclass("E", ["model"])(self.model)
+
+
+def test_honest_batched_answers_drift_and_a_clear_wrong_token_is_a_mismatch():
+    # the honest batched answers: one throughput-mode engine, every prompt submitted at once
+    thr = Engine(model_path=default_model_path(), n_threads=TEST_THREADS, n_ctx=4096,
+                 kv_dir=None, ram_budget_bytes=0, disk_budget_bytes=0,
+                 batch_mode="throughput", max_batch=8, max_queue=64)
+    try:
+        prompts = [tuple(thr.render_chat(p).tokens) for p in chat_prompts(PROMPTS)]
+        handles = [thr.submit_tokens(t, params=SamplingParams(max_tokens=MAX_TOKENS))
+                   for t in prompts]
+        batched = [h.result() for h in handles]
+    finally:
+        thr.close(flush=False)
+    assert max(c.stats.max_batch_seen for c in batched) > 1
+
+    async def main():
+        det = LlamaBackend(model_path=default_model_path(), n_threads=TEST_THREADS,
+                           n_ctx=2048, kv_dir=None, ram_budget_bytes=0, disk_budget_bytes=0)
+        await det.load()
+        stats: collections.Counter = collections.Counter()
+        runner = SpotCheckRunner(
+            checker=SpotChecker(rng=random.Random(0), fraction=1.0), backend=det,
+            index=_Index(det.model_fingerprint), trust=TrustTracker(), clock=lambda: 100.0,
+            stats=stats, max_pending=PROMPTS + 1, timeout_s=120.0)
+        try:
+            det.register_namespace("t", b"k" * 32, NS)
+            # the deterministic answer to prompt 0 with each token's lead over the runner-up
+            handle = det.engine.submit_tokens(
+                prompts[0], params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=2))
+            pieces = list(handle)
+            leads = [p.top[0][1] - p.top[1][1] for p in pieces]
+            clear = next(i for i, lead in enumerate(leads) if lead > 2 * BATCHED_TIE_NATS)
+            lie = [p.token for p in pieces]
+            lie[clear] = (lie[clear] + 1) % det.vocab_size
+            async with trio.open_nursery() as nursery:
+                await nursery.start(runner.run)
+                for i, (tokens, c) in enumerate(zip(prompts, batched, strict=True)):
+                    req = _request(i, tokens)
+                    final = _final(req, batched=True)
+                    runner.answered(PEER, req, Observed([c.text], list(c.tokens), final=final))
+                req = _request(PROMPTS, prompts[0])
+                runner.answered(PEER, req, Observed(["x"], lie, final=_final(req, True)))
+                with trio.fail_after(300):
+                    while stats["spot_checks"] < PROMPTS + 1:
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+        finally:
+            await det.aclose()
+        return runner.log, stats, clear
+
+    log, stats, clear = trio.run(main)
+    verdicts = {e["request_id"]: e for e in log}
+    honest = [verdicts[_request(i, ()).id.hex()] for i in range(PROMPTS)]
+    # batching changed some answers (measured: about half within 32 tokens), none is
+    # judged a lie
+    assert any(e["kind"] == "drift" for e in honest), [e["kind"] for e in honest]
+    assert all(e["kind"] in ("match", "drift") for e in honest)
+    lied = verdicts[_request(PROMPTS, ()).id.hex()]
+    assert lied["kind"] == "mismatch" and lied["first_mismatch"] == clear
+    assert stats["spot_mismatches"] == 1
+
+
+def _request(i: int, tokens: tuple[int, ...]) -> wire.Request:
+    return wire.Request(id=i.to_bytes(16, "big"), ns=NS, tokens=tokens,
+                        sampling=wire.Sampling(max_tokens=MAX_TOKENS), deadline=1e12)
+
+
+def _final(req: wire.Request, batched: bool) -> wire.Final:
+    return wire.Final(id=req.id, entry=PEER, serving=PEER, prompt_tokens=len(req.tokens),
+                      cached_tokens=0, completion_tokens=MAX_TOKENS, ttft_ms=1.0,
+                      total_ms=2.0, finish_reason="length", hops=(), batched=batched)
