@@ -4,7 +4,9 @@
 
 1. Agreement: the same chat prompts (cold, greedy, ``--max-tokens``) through a
    deterministic engine one at a time and through a throughput engine all submitted at
-   once (up to ``max_batch`` per ``llama_decode``); outputs compared token for token.
+   once (up to ``max_batch`` per ``llama_decode``); outputs compared token for token, and
+   where they part, how far the deterministic token led its runner-up (log probability,
+   nats: what spot checks of batched answers judge by, ``overlay/core/trust.py``).
 2. Load, interleaved: ``--clients`` threads, each sending ``--requests`` requests one after
    the other, every prompt a shared ~``--prefix``-token prefix + a unique suffix, max_tokens
    ``--max-tokens``; both engines loaded side by side, rounds alternate which goes first.
@@ -24,10 +26,12 @@ import time
 __all__ = ["bench_agreement", "bench_load", "main"]
 
 
-def _engine(mode: str, n_ctx: int, threads: int, model, max_batch: int, ram: int):
+def _engine(mode: str, n_ctx: int, threads: int, model, max_batch: int, ram: int,
+            max_queue: int = 64):
     from .engine import Engine
 
-    return Engine(model_path=model, n_ctx=n_ctx, n_threads=threads, kv_dir=None, max_queue=64,
+    return Engine(model_path=model, n_ctx=n_ctx, n_threads=threads, kv_dir=None,
+                  max_queue=max_queue,
                   ram_budget_bytes=ram, disk_budget_bytes=0, batch_mode=mode,
                   max_batch=max_batch)
 
@@ -40,11 +44,15 @@ def bench_agreement(n: int = 24, max_tokens: int = 32, threads: int = 1, model=N
     params = SamplingParams(max_tokens=max_tokens)
     prompts = chat_prompts(n)
     det = _engine("deterministic", 1024, threads, model, max_batch, 0)
-    try:
-        ref = [det.chat(p, params=params).tokens for p in prompts]
+    try:  # each token with its runner-up: how clear the deterministic choice was
+        pieces = [list(det.submit_chat(p, params=SamplingParams(max_tokens=max_tokens,
+                                                                logprobs=2)))
+                  for p in prompts]
     finally:
         det.close(flush=False)
-    thr = _engine("throughput", 4096, threads, model, max_batch, 0)
+    ref = [[x.token for x in ps] for ps in pieces]
+    leads = [[x.top[0][1] - x.top[1][1] for x in ps] for ps in pieces]
+    thr = _engine("throughput", 4096, threads, model, max_batch, 0, max_queue=max(64, n))
     try:
         handles = [thr.submit_chat(p, params=params) for p in prompts]
         got = [h.result() for h in handles]
@@ -53,8 +61,10 @@ def bench_agreement(n: int = 24, max_tokens: int = 32, threads: int = 1, model=N
     identical = first = 0
     fractions = []
     batch_seen = []
-    for want, c in zip(ref, got, strict=True):
-        have = c.tokens
+    diverged_at: list[int] = []
+    lead_there: list[float] = []  # the deterministic token's lead where the modes part
+    for want, lead, c in zip(ref, leads, got, strict=True):
+        have = list(c.tokens)
         identical += have == want
         first += bool(have and want and have[0] == want[0])
         k = 0
@@ -64,9 +74,17 @@ def bench_agreement(n: int = 24, max_tokens: int = 32, threads: int = 1, model=N
             k += 1
         fractions.append(k / max(len(want), 1))
         batch_seen.append(c.stats.max_batch_seen)
+        if have != want:
+            diverged_at.append(k)
+            if k < len(lead):
+                lead_there.append(lead[k])
+    every = [x for lead in leads for x in lead]
     return {"prompts": n, "max_tokens": max_tokens, "identical": identical,
             "first_token_agree": first, "mean_common_prefix": statistics.mean(fractions),
-            "max_batch_seen_median": statistics.median(batch_seen)}
+            "max_batch_seen_median": statistics.median(batch_seen),
+            "first_divergence_tokens": sorted(diverged_at),
+            "lead_at_divergence_nats": [round(x, 4) for x in sorted(lead_there)],
+            "steps_leading_by_more_than_1_nat": sum(x > 1.0 for x in every) / max(len(every), 1)}
 
 
 def bench_load(clients: int = 8, requests: int = 4, rounds: int = 3, prefix: int = 500,

@@ -25,6 +25,12 @@ def test_tiny_run_reports_agreement_and_load(capsys):
     assert agreement["prompts"] == 2 and 0 <= agreement["identical"] <= 2
     assert agreement["identical"] <= agreement["first_token_agree"] <= 2
     assert 0.0 <= agreement["mean_common_prefix"] <= 1.0
+    diverged = 2 - agreement["identical"]
+    assert len(agreement["first_divergence_tokens"]) == diverged
+    assert all(0 <= k <= 3 for k in agreement["first_divergence_tokens"])
+    assert len(agreement["lead_at_divergence_nats"]) <= diverged
+    assert all(x >= 0 for x in agreement["lead_at_divergence_nats"])
+    assert 0.0 <= agreement["steps_leading_by_more_than_1_nat"] <= 1.0
     load = report["load"]
     det, thr = load["deterministic"], load["throughput"]
     # every request found the shared prefix cached (it was, before timing)
