@@ -69,11 +69,13 @@ class _Rerun:
 
 
 def _leads(chunk: TokenChunk) -> list[float | None]:
-    """Per token of ``chunk``, its lead over the runner-up (None without alternatives)."""
+    """Per token of ``chunk``, its lead over the runner-up (None without alternatives, or
+    where a grammar chose another than the most likely token). Logprobs are the model's
+    before any grammar mask, so under a grammar this is a lower bound of the lead."""
     if len(chunk.logprobs) != len(chunk.token_ids):
         return [None] * len(chunk.token_ids)
-    return [lp.top[0][1] - lp.top[1][1] if len(lp.top) >= 2 else None
-            for lp in chunk.logprobs]
+    return [lp.logprob - lp.top[1][1] if len(lp.top) >= 2 and lp.logprob >= lp.top[0][1]
+            else None for lp in chunk.logprobs]
 
 
 class SpotCheckRunner:
@@ -146,6 +148,7 @@ class SpotCheckRunner:
             top_p=req.sampling.top_p,
             seed=req.sampling.seed,
             deadline=self.clock() + self.timeout_s,
+            grammar=req.grammar,  # a constrained answer is judged under its constraint
             logprobs=2,  # the runner-up of every token: how clear each choice was
         )
         text: list[str] = []

@@ -107,3 +107,41 @@ def _final(req: wire.Request, batched: bool) -> wire.Final:
     return wire.Final(id=req.id, entry=PEER, serving=PEER, prompt_tokens=len(req.tokens),
                       cached_tokens=0, completion_tokens=MAX_TOKENS, ttft_ms=1.0,
                       total_ms=2.0, finish_reason="length", hops=(), batched=batched)
+
+
+def test_a_constrained_answer_is_re_executed_under_its_grammar():
+    """A greedy request with an output constraint (response_format, a forced tool call)
+    is re-executed under the same grammar: an honest peer's answer matches."""
+    grammar = 'root ::= "yes" | "no" | "maybe"'
+
+    async def main():
+        det = LlamaBackend(model_path=default_model_path(), n_threads=TEST_THREADS,
+                           n_ctx=1024, kv_dir=None, ram_budget_bytes=0, disk_budget_bytes=0)
+        await det.load()
+        stats: collections.Counter = collections.Counter()
+        runner = SpotCheckRunner(
+            checker=SpotChecker(rng=random.Random(0), fraction=1.0), backend=det,
+            index=_Index(det.model_fingerprint), trust=TrustTracker(), clock=lambda: 100.0,
+            stats=stats, max_pending=2, timeout_s=120.0)
+        try:
+            det.register_namespace("t", b"k" * 32, NS)
+            tokens = tuple(det.engine.render_chat(chat_prompts(1)[0]).tokens)
+            handle = det.engine.submit_tokens(
+                tokens, params=SamplingParams(max_tokens=8, grammar=grammar))
+            honest = handle.result()
+            assert honest.text in ("yes", "no", "maybe")
+            req = dataclasses.replace(_request(0, tokens), grammar=grammar)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(runner.run)
+                runner.answered(PEER, req, Observed([honest.text], list(honest.tokens),
+                                                    final=_final(req, batched=False)))
+                with trio.fail_after(120):
+                    while stats["spot_checks"] < 1:
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+        finally:
+            await det.aclose()
+        return runner.log
+
+    log = trio.run(main)
+    assert [e["kind"] for e in log] == ["match"], log
