@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
+import types
 
 import pytest
 import trio
@@ -34,7 +35,7 @@ class _Index:
         self.model = model
 
     def estimate(self, peer: bytes):
-        return dataclasses.make_dataclass("E", ["model"])(self.model)
+        return types.SimpleNamespace(model=self.model)
 
 
 def test_honest_batched_answers_drift_and_a_clear_wrong_token_is_a_mismatch():
