@@ -52,42 +52,24 @@ def test_honest_batched_answers_drift_and_a_clear_wrong_token_is_a_mismatch():
         thr.close(flush=False)
     assert max(c.stats.max_batch_seen for c in batched) > 1
 
-    async def main():
-        det = LlamaBackend(model_path=default_model_path(), n_threads=TEST_THREADS,
-                           n_ctx=2048, kv_dir=None, ram_budget_bytes=0, disk_budget_bytes=0)
-        await det.load()
-        stats: collections.Counter = collections.Counter()
-        runner = SpotCheckRunner(
-            checker=SpotChecker(rng=random.Random(0), fraction=1.0), backend=det,
-            index=_Index(det.model_fingerprint), trust=TrustTracker(), clock=lambda: 100.0,
-            stats=stats, max_pending=PROMPTS + 1, timeout_s=120.0)
-        try:
-            det.register_namespace("t", b"k" * 32, NS)
-            # the deterministic answer to prompt 0 with each token's lead over the runner-up
-            handle = det.engine.submit_tokens(
-                prompts[0], params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=2))
-            pieces = list(handle)
-            leads = [p.top[0][1] - p.top[1][1] for p in pieces]
-            clear = next(i for i, lead in enumerate(leads) if lead > 2 * BATCHED_TIE_NATS)
-            lie = [p.token for p in pieces]
-            lie[clear] = (lie[clear] + 1) % det.vocab_size
-            async with trio.open_nursery() as nursery:
-                await nursery.start(runner.run)
-                for i, (tokens, c) in enumerate(zip(prompts, batched, strict=True)):
-                    req = _request(i, tokens)
-                    final = _final(req, batched=True)
-                    runner.answered(PEER, req, Observed([c.text], list(c.tokens), final=final))
-                req = _request(PROMPTS, prompts[0])
-                runner.answered(PEER, req, Observed(["x"], lie, final=_final(req, True)))
-                with trio.fail_after(300):
-                    while stats["spot_checks"] < PROMPTS + 1:
-                        await trio.sleep(0.05)
-                nursery.cancel_scope.cancel()
-        finally:
-            await det.aclose()
-        return runner.log, stats, clear
+    def jobs(det):
+        # the deterministic answer to prompt 0 with each token's lead over the runner-up
+        handle = det.engine.submit_tokens(
+            prompts[0], params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=2))
+        pieces = list(handle)
+        leads = [p.top[0][1] - p.top[1][1] for p in pieces]
+        clear = next(i for i, lead in enumerate(leads) if lead > 2 * BATCHED_TIE_NATS)
+        lie = [p.token for p in pieces]
+        lie[clear] = (lie[clear] + 1) % det.vocab_size
+        out = []
+        for i, (tokens, c) in enumerate(zip(prompts, batched, strict=True)):
+            req = _request(i, tokens)
+            out.append((req, Observed([c.text], list(c.tokens), final=_final(req, True))))
+        req = _request(PROMPTS, prompts[0])
+        out.append((req, Observed(["x"], lie, final=_final(req, True))))
+        return out, clear
 
-    log, stats, clear = trio.run(main)
+    log, stats, clear = _spot_checked(jobs, n_ctx=2048)
     verdicts = {e["request_id"]: e for e in log}
     honest = [verdicts[_request(i, ()).id.hex()] for i in range(PROMPTS)]
     # batching changed some answers (measured: about half within 32 tokens), none is
@@ -97,6 +79,37 @@ def test_honest_batched_answers_drift_and_a_clear_wrong_token_is_a_mismatch():
     lied = verdicts[_request(PROMPTS, ()).id.hex()]
     assert lied["kind"] == "mismatch" and lied["first_mismatch"] == clear
     assert stats["spot_mismatches"] == 1
+
+
+def _spot_checked(jobs_of, n_ctx: int):
+    """Spot-check what ``jobs_of(backend)`` returns, ``([(request, observed)], extra)``, on
+    a deterministic node's real engine; the runner's log, its counters and ``extra``."""
+
+    async def main():
+        det = LlamaBackend(model_path=default_model_path(), n_threads=TEST_THREADS,
+                           n_ctx=n_ctx, kv_dir=None, ram_budget_bytes=0, disk_budget_bytes=0)
+        await det.load()
+        try:
+            det.register_namespace("t", b"k" * 32, NS)
+            jobs, extra = jobs_of(det)
+            stats: collections.Counter = collections.Counter()
+            runner = SpotCheckRunner(
+                checker=SpotChecker(rng=random.Random(0), fraction=1.0), backend=det,
+                index=_Index(det.model_fingerprint), trust=TrustTracker(),
+                clock=lambda: 100.0, stats=stats, max_pending=len(jobs), timeout_s=120.0)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(runner.run)
+                for req, observed in jobs:
+                    runner.answered(PEER, req, observed)
+                with trio.fail_after(300):
+                    while stats["spot_checks"] < len(jobs):
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+        finally:
+            await det.aclose()
+        return runner.log, stats, extra
+
+    return trio.run(main)
 
 
 def _request(i: int, tokens: tuple[int, ...]) -> wire.Request:
@@ -115,34 +128,15 @@ def test_a_constrained_answer_is_re_executed_under_its_grammar():
     is re-executed under the same grammar: an honest peer's answer matches."""
     grammar = 'root ::= "yes" | "no" | "maybe"'
 
-    async def main():
-        det = LlamaBackend(model_path=default_model_path(), n_threads=TEST_THREADS,
-                           n_ctx=1024, kv_dir=None, ram_budget_bytes=0, disk_budget_bytes=0)
-        await det.load()
-        stats: collections.Counter = collections.Counter()
-        runner = SpotCheckRunner(
-            checker=SpotChecker(rng=random.Random(0), fraction=1.0), backend=det,
-            index=_Index(det.model_fingerprint), trust=TrustTracker(), clock=lambda: 100.0,
-            stats=stats, max_pending=2, timeout_s=120.0)
-        try:
-            det.register_namespace("t", b"k" * 32, NS)
-            tokens = tuple(det.engine.render_chat(chat_prompts(1)[0]).tokens)
-            handle = det.engine.submit_tokens(
-                tokens, params=SamplingParams(max_tokens=8, grammar=grammar))
-            honest = handle.result()
-            assert honest.text in ("yes", "no", "maybe")
-            req = dataclasses.replace(_request(0, tokens), grammar=grammar)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(runner.run)
-                runner.answered(PEER, req, Observed([honest.text], list(honest.tokens),
-                                                    final=_final(req, batched=False)))
-                with trio.fail_after(120):
-                    while stats["spot_checks"] < 1:
-                        await trio.sleep(0.05)
-                nursery.cancel_scope.cancel()
-        finally:
-            await det.aclose()
-        return runner.log
+    def jobs(det):
+        tokens = tuple(det.engine.render_chat(chat_prompts(1)[0]).tokens)
+        handle = det.engine.submit_tokens(
+            tokens, params=SamplingParams(max_tokens=8, grammar=grammar))
+        honest = handle.result()
+        assert honest.text in ("yes", "no", "maybe")
+        req = dataclasses.replace(_request(0, tokens), grammar=grammar)
+        return [(req, Observed([honest.text], list(honest.tokens),
+                               final=_final(req, batched=False)))], None
 
-    log = trio.run(main)
+    log, _, _ = _spot_checked(jobs, n_ctx=1024)
     assert [e["kind"] for e in log] == ["match"], log
