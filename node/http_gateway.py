@@ -1156,8 +1156,9 @@ class NodeGatewayBackend:
                 return tuple(await self.backend.tokenize(job.messages))
             if isinstance(job.prompt, tuple):
                 n_vocab = getattr(self.backend, "vocab_size", None)  # None: the engine checks
-                if n_vocab is not None and max(job.prompt) >= n_vocab:
-                    raise BadRequest(f"token id {max(job.prompt)} in 'prompt' is not in the "
+                top = max(job.prompt)
+                if n_vocab is not None and top >= n_vocab:
+                    raise BadRequest(f"token id {top} in 'prompt' is not in the "
                                      f"model's vocabulary of {n_vocab}", param="prompt",
                                      code="invalid_value")
                 return job.prompt

@@ -11,6 +11,7 @@ delays or changes it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,20 +53,13 @@ class _Rerun:
     def lead_at(self, index: int | None, unit: str) -> float | None:
         """The lead of the token at ``index`` (a token index, or a character index into
         the text for ``unit`` "char"); None past the end or where it is not known."""
-        if index is None:
-            return None
-        if unit == "char":  # the piece holding that character (one token per piece)
-            end = 0
-            for k, piece in enumerate(self.text):
-                end += len(piece)
-                if index < end:
-                    index = k
-                    break
-            else:
-                return None
+        if index is not None and unit == "char":
             if len(self.text) != len(self.leads):
                 return None  # pieces of several tokens: which one is not known
-        return self.leads[index] if index < len(self.leads) else None
+            # the piece holding that character (one token per piece)
+            ends = itertools.accumulate(len(piece) for piece in self.text)
+            index = next((k for k, end in enumerate(ends) if index < end), None)
+        return self.leads[index] if index is not None and index < len(self.leads) else None
 
 
 def _leads(chunk: TokenChunk) -> list[float | None]:
