@@ -165,12 +165,16 @@ def test_a_prompt_of_token_ids_is_served_as_the_text_with_those_tokens(nodes):
     from _model_fixture import default_model_path
 
     vocab = llama_cpp.Llama(str(default_model_path()), vocab_only=True, verbose=False)
-    text = "The clerk counted: 1, 2, 3, 4, 5,"
+    # long enough for a few cache blocks, so that the entry's hearing of them can be awaited
+    text = "The clerk counted the ledger's lines twice, slowly and aloud: 1, 2, 3, 4, 5," * 3
     # what the engine does with a completion's text: special tokens parsed, no BOS
     ids = vocab.tokenize(text.encode(), add_bos=False, special=True)
-    c = nodes[0]["C"]
+    ns = nodes[0]
+    c = ns["C"]
+    base = _baseline(ns)
     by_text = c.client().completions.create(model="prefixmesh", prompt=text, max_tokens=8,
                                             temperature=0)
+    holder = _by_peer(ns, by_text.model_extra["prefixmesh"]["route"]["serving"])
     for prompt in (ids, [ids]):
         by_ids = c.client().completions.create(model="prefixmesh", prompt=prompt,
                                                   max_tokens=8, temperature=0)
@@ -184,6 +188,10 @@ def test_a_prompt_of_token_ids_is_served_as_the_text_with_those_tokens(nodes):
         assert r.json()["error"]["param"] == "prompt"
     assert "vocabulary" in httpx.post(url, headers=h, json={
         "model": "prefixmesh", "prompt": [vocab.n_vocab()]}).json()["error"]["message"]
+    # the router sends a prefix to where it has heard the prefix is cached: wait for that
+    if holder is not c:
+        _wait_known(c, holder, len(ids), base)
+    wait_until(lambda: c.status()["inflight"] == 0, timeout_s=10, what="C idle")
     again = c.client().completions.create(model="prefixmesh", prompt=ids, max_tokens=8,
                                           temperature=0)
     assert again.choices[0].text == by_text.choices[0].text
