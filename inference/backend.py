@@ -105,6 +105,8 @@ class Completion:
     total_s: float
     finish_reason: str  # "stop" | "length"
     batched: bool = False  # decoded in a shared batch (engine batch_mode "throughput")
+    # with logprobs, finish "stop": the end-of-sequence token's entry (not in the text)
+    end_logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,14 @@ def ns_pseudo_token(ns: bytes) -> int:
     """A negative int standing for a namespace at the root of a shared radix tree
     (disjoint from real token ids by construction; see ARCHITECTURE.md, radix)."""
     return -1 - int.from_bytes(ns[:7].ljust(7, b"\0"), "big")
+
+
+def _end_logprob(end) -> TokenLogprob | None:
+    """The engine's end-of-generation piece as a :class:`TokenLogprob` (None without one
+    or without logprobs)."""
+    if end is None or end.logprob is None:
+        return None
+    return TokenLogprob(end.data, end.logprob, end.top)
 
 
 _WORDS = (
@@ -539,6 +549,7 @@ class LlamaBackend:
                 total_s=total,
                 finish_reason=completion.finish_reason,
                 batched=st.batch_mode == "throughput",
+                end_logprob=_end_logprob(completion.end),
             )
         finally:
             recv.close()

@@ -45,13 +45,19 @@ def bench_agreement(n: int = 24, max_tokens: int = 32, threads: int = 1, model=N
     prompts = chat_prompts(n)
     det = _engine("deterministic", 1024, threads, model, max_batch, 0)
     try:  # each token with its runner-up: how clear the deterministic choice was
-        pieces = [list(det.submit_chat(p, params=SamplingParams(max_tokens=max_tokens,
-                                                                logprobs=2)))
-                  for p in prompts]
+        pieces, ends = [], []
+        for p in prompts:
+            h = det.submit_chat(p, params=SamplingParams(max_tokens=max_tokens, logprobs=2))
+            pieces.append(list(h))
+            ends.append(h.result().end)
     finally:
         det.close(flush=False)
     ref = [[x.token for x in ps] for ps in pieces]
-    leads = [[x.top[0][1] - x.top[1][1] for x in ps] for ps in pieces]
+    # the lead of every token, then of the end-of-sequence token where the model stopped
+    # (where a batched answer that goes on parts from this one)
+    leads = [[x.top[0][1] - x.top[1][1] for x in ps]
+             + ([end.top[0][1] - end.top[1][1]] if end is not None else [])
+             for ps, end in zip(pieces, ends, strict=True)]
     thr = _engine("throughput", 4096, threads, model, max_batch, 0, max_queue=max(64, n))
     try:
         handles = [thr.submit_chat(p, params=params) for p in prompts]

@@ -343,6 +343,10 @@ class Completion:
     text: str
     finish_reason: str
     stats: RequestStats
+    # the end-of-generation token that stopped it (finish "stop"; not part of tokens or
+    # text), with its logprob entries when they were asked for: how clearly the model chose
+    # to stop is what a spot check of a longer answer judges by
+    end: TokenPiece | None = None
 
 
 @dataclass(frozen=True)
@@ -1125,6 +1129,7 @@ class Engine:
         text_parts: list[str] = []
         finish = "length"
         t_first = None
+        end = None
         while True:
             tok, info = self._choose(h, self._logits(), rng)
             if t_first is None:
@@ -1132,6 +1137,7 @@ class Engine:
                 stats.ttft_s = t_first - t_start
             if lib.llama_vocab_is_eog(self._vocab, tok):
                 finish = "stop"
+                end = TokenPiece(tok, "", *info)
                 break
             generated.append(tok)
             data = self._llama.detokenize([tok])
@@ -1159,7 +1165,7 @@ class Engine:
         self._save_snapshots(ns_id, tokens, reached, stats)
         stats.total_s = time.perf_counter() - t_start
         stats.finish_reason = finish
-        return Completion(generated, "".join(text_parts), finish, stats)
+        return Completion(generated, "".join(text_parts), finish, stats, end)
 
     def _save_snapshots(self, ns_id: bytes, tokens: Sequence[int], points: list[int],
                         stats: RequestStats, src: int = 0, scratch: int = 1,
@@ -1582,6 +1588,7 @@ class Engine:
                 slot.stats.ttft_s = slot.t_first - slot.t_start
             if lib.llama_vocab_is_eog(self._vocab, tok):
                 slot.finish = "stop"
+                slot.end = TokenPiece(tok, "", *info)
                 continue
             slot.generated.append(tok)
             data = self._llama.detokenize([tok])
@@ -1631,7 +1638,8 @@ class Engine:
             self._prefill_tps = _ewma(self._prefill_tps, stats.prefill_tokens / stats.prefill_s)
         stats.total_s = t_end - slot.t_start
         stats.finish_reason = finish
-        h._finish(Completion(slot.generated, "".join(slot.text_parts), finish, stats), None)
+        h._finish(Completion(slot.generated, "".join(slot.text_parts), finish, stats,
+                             slot.end), None)
         return keep
 
 
@@ -1716,6 +1724,7 @@ class _Slot:
         self.rng = None
         self.t_start = self.t_prefill = self.t_first = 0.0
         self.finish = ""
+        self.end: TokenPiece | None = None
         self.error: BaseException | None = None
 
 

@@ -10,6 +10,7 @@ delays or changes it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import logging
@@ -18,7 +19,14 @@ from dataclasses import dataclass
 
 import trio
 
-from prefixmesh.inference.backend import Backend, BackendError, GenerateRequest, TokenChunk
+from prefixmesh.inference.backend import (
+    Backend,
+    BackendError,
+    Completion,
+    GenerateRequest,
+    TokenChunk,
+    TokenLogprob,
+)
 
 from .core import wire
 from .core.identity import peer_id_to_b58
@@ -43,33 +51,49 @@ class _SpotJob:
 
 @dataclass(frozen=True)
 class _Rerun:
-    """The local greedy re-execution: its pieces of text, token ids, and per token how far
-    it led the runner-up (nats; None where the engine gave no alternatives)."""
+    """The local greedy re-execution: its pieces of text, token ids, per token how far it
+    led the runner-up (nats; None where the engine gave no alternatives), and the same for
+    the end-of-sequence token where it stopped by choosing one (``end_lead``)."""
 
     text: list[str]
     ids: list[int]
     leads: list[float | None]
+    end_lead: float | None = None
 
     def lead_at(self, index: int | None, unit: str) -> float | None:
         """The lead of the token at ``index`` (a token index, or a character index into
-        the text for ``unit`` "char"); None past the end or where it is not known."""
+        the text for ``unit`` "char"); at the end of the answer, the end-of-sequence
+        token's (an answer that goes on where the re-execution stopped); None past that
+        or where it is not known."""
         if index is not None and unit == "char":
             if len(self.text) != len(self.leads):
                 return None  # pieces of several tokens: which one is not known
-            # the piece holding that character (one token per piece)
-            ends = itertools.accumulate(len(piece) for piece in self.text)
-            index = next((k for k, end in enumerate(ends) if index < end), None)
-        return self.leads[index] if index is not None and index < len(self.leads) else None
+            ends = [*itertools.accumulate(map(len, self.text))]
+            if index > (ends[-1] if ends else 0):
+                return None
+            # the piece holding that character (one token per piece); just past the text,
+            # the end
+            index = bisect.bisect_right(ends, index)
+        if index is None:
+            return None
+        if index == len(self.leads):
+            return self.end_lead
+        return self.leads[index] if index < len(self.leads) else None
+
+
+def _lead(lp: TokenLogprob) -> float | None:
+    """How far the chosen token led the runner-up (None without alternatives, or where a
+    grammar chose another than the most likely token). Logprobs are the model's before any
+    grammar mask, so under a grammar this is a lower bound of the lead."""
+    return lp.logprob - lp.top[1][1] if len(lp.top) >= 2 and lp.logprob >= lp.top[0][1] \
+        else None
 
 
 def _leads(chunk: TokenChunk) -> list[float | None]:
-    """Per token of ``chunk``, its lead over the runner-up (None without alternatives, or
-    where a grammar chose another than the most likely token). Logprobs are the model's
-    before any grammar mask, so under a grammar this is a lower bound of the lead."""
+    """Per token of ``chunk``, its lead over the runner-up (:func:`_lead`)."""
     if len(chunk.logprobs) != len(chunk.token_ids):
         return [None] * len(chunk.token_ids)
-    return [lp.logprob - lp.top[1][1] if len(lp.top) >= 2 and lp.logprob >= lp.top[0][1]
-            else None for lp in chunk.logprobs]
+    return [_lead(lp) for lp in chunk.logprobs]
 
 
 class SpotCheckRunner:
@@ -148,6 +172,7 @@ class SpotCheckRunner:
         text: list[str] = []
         ids: list[int] = []
         leads: list[float | None] = []
+        end_lead = None
         try:
             with trio.fail_after(self.timeout_s):
                 async with contextlib.aclosing(self.backend.generate(gen_req)) as events:
@@ -156,12 +181,14 @@ class SpotCheckRunner:
                             text.append(ev.text)
                             ids.extend(ev.token_ids)
                             leads.extend(_leads(ev))
+                        elif isinstance(ev, Completion) and ev.end_logprob is not None:
+                            end_lead = _lead(ev.end_logprob)
         except (BackendError, trio.TooSlowError) as exc:
             # the engine could not re-execute (busy, deadline): no verdict either way
             self.stats["spot_failed"] += 1
             log.info("spot check of %s not run: %s", req.id.hex()[:8], exc)
             return None
-        return _Rerun(text, ids, leads)
+        return _Rerun(text, ids, leads, end_lead)
 
     async def _check(self, job: _SpotJob) -> None:
         req, observed = job.req, job.observed

@@ -142,3 +142,26 @@ def test_throughput_mode_applies_grammars_and_logprobs():
             assert set(obj) == {"name", "age"}
     finally:
         e.close(flush=False)
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "throughput"])
+def test_the_end_of_sequence_token_comes_with_the_completion(mode):
+    """A generation the model ended reports the end-of-sequence token it chose (not in
+    the text) with its logprob and runner-up when asked: spot checks judge an answer that
+    goes on past that point by how clearly the model chose to stop."""
+    e = _engine(batch_mode=mode, max_batch=2)
+    try:
+        ended = e.submit_chat(MESSAGES, params=SamplingParams(max_tokens=64, logprobs=2))
+        plain = e.submit_chat(MESSAGES, params=SamplingParams(max_tokens=64))
+        cut = e.submit_chat(MESSAGES, params=SamplingParams(max_tokens=2, logprobs=2))
+        c, p, short = ended.result(120), plain.result(120), cut.result(120)
+        assert c.finish_reason == "stop" and c.end is not None
+        assert e._lib.llama_vocab_is_eog(e._vocab, c.end.token) and c.end.text == ""
+        assert math.isfinite(c.end.logprob) and c.end.logprob <= 0.0
+        assert [lp for _, lp in c.end.top] == sorted((lp for _, lp in c.end.top), reverse=True)
+        assert len(c.end.top) == 2 and c.end.top[0][1] == pytest.approx(c.end.logprob)
+        # without logprobs, the token alone (rows of one batch may differ: issue 17)
+        assert p.finish_reason != "stop" or (p.end.text == "" and p.end.logprob is None)
+        assert short.finish_reason == "length" and short.end is None
+    finally:
+        e.close(flush=False)

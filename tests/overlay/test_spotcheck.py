@@ -11,13 +11,15 @@ import random
 import types
 
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prefixmesh.inference.backend import GenerateRequest, SimulatedBackend, TokenChunk
 from prefixmesh.overlay.core import wire
 from prefixmesh.overlay.core.identity import peer_id_from_public_key
 from prefixmesh.overlay.core.trust import SpotChecker, TrustTracker
 from prefixmesh.overlay.forwarding import Observed
-from prefixmesh.overlay.spotcheck import SpotCheckRunner
+from prefixmesh.overlay.spotcheck import SpotCheckRunner, _Rerun
 
 PEER = peer_id_from_public_key(b"\x02" * 32)
 REQ = wire.Request(id=b"q" * 16, ns=b"n" * 8, tokens=(5, 6, 7, 8),
@@ -125,3 +127,29 @@ def test_a_divergent_batched_answer_is_a_drift_not_a_mismatch():
     assert stats["spot_checks"] == 1 and stats["spot_mismatches"] == 0
     assert stats["spot_drifts"] == 1 and runner.log[0]["kind"] == "drift"
     assert trust.trust(PEER, 100.0) > 0.5
+
+
+def test_the_lead_just_past_a_rerun_is_its_end_of_sequence_tokens():
+    """An answer that goes on where the re-execution stopped differs at the end: the lead
+    there is the end-of-sequence token's (how clearly the model chose to stop)."""
+    rerun = _Rerun(["a", "bc", "", "d"], [1, 2, 3, 4], [0.5, 2.0, None, 3.0], end_lead=1.7)
+    assert [rerun.lead_at(i, "token") for i in range(6)] == [0.5, 2.0, None, 3.0, 1.7, None]
+    # characters: "a" "bc" "" "d", then the end; a piece that completes no character (a
+    # partial UTF-8 sequence) holds none
+    assert [rerun.lead_at(i, "char") for i in range(6)] == [0.5, 2.0, 2.0, 3.0, 1.7, None]
+    assert rerun.lead_at(None, "token") is None
+    stopped_at_once = _Rerun([], [], [], end_lead=4.0)
+    assert stopped_at_once.lead_at(0, "char") == stopped_at_once.lead_at(0, "token") == 4.0
+    assert _Rerun(["a"], [1], [0.5]).lead_at(1, "token") is None  # stopped by length
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 10)), max_size=12),
+       st.floats(0, 10))
+def test_a_characters_lead_is_the_lead_of_the_token_that_completed_it(pieces, end_lead):
+    text = ["x" * n for n, _ in pieces]
+    rerun = _Rerun(text, list(range(len(pieces))), [lead for _, lead in pieces], end_lead)
+    owner = [k for k, (n, _) in enumerate(pieces) for _ in range(n)]  # char -> token
+    for i, k in enumerate(owner):
+        assert rerun.lead_at(i, "char") == rerun.lead_at(k, "token") == pieces[k][1]
+    assert rerun.lead_at(len(owner), "char") == rerun.lead_at(len(pieces), "token") == end_lead
+    assert rerun.lead_at(len(owner) + 1, "char") is None

@@ -81,6 +81,48 @@ def test_honest_batched_answers_drift_and_a_clear_wrong_token_is_a_mismatch():
     assert stats["spot_mismatches"] == 1
 
 
+def test_an_answer_that_goes_on_past_a_clear_end_is_a_mismatch():
+    """A batched answer that continues where the re-execution chose to stop is judged by
+    how clearly it stopped: past a clear end it is a mismatch (by tokens or, text only, by
+    characters), past a near-tie a drift; the honest answer matches."""
+
+    def jobs(det):
+        ends = {}  # "clear" / "tie": (prompt, tokens, text) of a greedy answer the model ended
+        for messages in chat_prompts(24):
+            prompt = tuple(det.engine.render_chat(messages).tokens)
+            c = det.engine.submit_tokens(
+                prompt, params=SamplingParams(max_tokens=MAX_TOKENS, logprobs=2)).result()
+            if c.finish_reason != "stop":
+                continue
+            lead = c.end.top[0][1] - c.end.top[1][1]
+            kind = ("clear" if lead > 2 * BATCHED_TIE_NATS
+                    else "tie" if lead < BATCHED_TIE_NATS / 2 else None)
+            if kind is not None:
+                ends.setdefault(kind, (prompt, list(c.tokens), c.text))
+            if len(ends) == 2:
+                break
+        more = det.engine.tokenize(" It is also known for much more.")
+        out = []
+        for i, (_, (prompt, tokens, text)) in enumerate(sorted(ends.items())):
+            answers = ((tokens, [text], True), (tokens + more, [text], True),
+                       ([], [text, " It is"], False))  # the same, text only
+            for j, (ids, pieces, complete) in enumerate(answers):
+                req = _request(10 * i + j, prompt)
+                out.append((req, Observed(pieces, ids, ids_complete=complete,
+                                          final=_final(req, True))))
+        return out, {kind: (len(tokens), len(text)) for kind, (_, tokens, text) in ends.items()}
+
+    log, _, ends = _spot_checked(jobs, n_ctx=2048)
+    assert set(ends) == {"clear", "tie"}, ends
+    verdicts = [(e["kind"], e["unit"], e["first_mismatch"])
+                for e in sorted(log, key=lambda e: e["request_id"])]
+    (clear_tokens, clear_chars), (tie_tokens, tie_chars) = ends["clear"], ends["tie"]
+    assert verdicts == [("match", "token", None), ("mismatch", "token", clear_tokens),
+                        ("mismatch", "char", clear_chars),
+                        ("match", "token", None), ("drift", "token", tie_tokens),
+                        ("drift", "char", tie_chars)], verdicts
+
+
 def _spot_checked(jobs_of, n_ctx: int):
     """Spot-check what ``jobs_of(backend)`` returns, ``([(request, observed)], extra)``, on
     a deterministic node's real engine; the runner's log, its counters and ``extra``."""
