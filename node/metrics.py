@@ -326,6 +326,15 @@ class NodeCollector:
             for peer in sorted(trust.peers())[:MAX_PEERS_LABELLED]:
                 fam.add_metric([peer_id_to_b58(peer)], trust.trust(peer, mono))
             yield fam
+        infer = getattr(self.node, "infer", None)
+        if infer is not None and getattr(infer, "spot_checker", None) is not None:
+            fam = CounterMetricFamily(p + "spot_checks", "forwarded answers re-executed here "
+                                      "(overlay/spotcheck.py), by outcome", labels=["outcome"])
+            for outcome, key in (("match", "spot_matches"), ("drift", "spot_drifts"),
+                                 ("mismatch", "spot_mismatches"), ("failed", "spot_failed"),
+                                 ("dropped", "spot_dropped")):
+                fam.add_metric([outcome], infer.stats.get(key, 0))
+            yield fam
 
     def _reachability(self) -> Iterable:
         """Issue 16: the status line as labels (value 1), dial-back and hole-punch counts."""

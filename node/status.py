@@ -24,7 +24,7 @@ import urllib.request
 from typing import Any
 
 __all__ = ["overview", "render_text", "fetch_overview", "cli_status", "status_url",
-           "StatusError", "PREFIXES_LISTED", "MAX_PEERS"]
+           "StatusError", "PREFIXES_LISTED", "MAX_PEERS", "SPOT_CHECKS_LISTED"]
 
 #: per namespace, the largest cached prefixes listed one by one
 PREFIXES_LISTED = 20
@@ -60,6 +60,7 @@ def overview(node: Any, metrics: Any = None, *, now: float | None = None) -> dic
     out["peers"] = _peers(node, now)
     out["namespaces"], out["cache"] = _cache(node, metrics)
     out["recent"] = _recent(metrics)
+    out["spot_checks"] = _spot_checks(node)
     return out
 
 
@@ -96,6 +97,25 @@ def _self(node, metrics, now: float) -> dict[str, Any]:
         keep = ("requests", "served_local", "forwarded", "fallbacks", "errors", "rate_limited")
         me["infer"] = {k: int(infer.stats.get(k, 0)) for k in keep}
     return me
+
+
+#: spot-check verdicts listed, newest first
+SPOT_CHECKS_LISTED = 10
+
+
+def _spot_checks(node) -> dict[str, Any] | None:
+    """Counters and the last verdicts of spot checks (None when they are off). The tokens
+    or text compared are left out: like the rest of the overview, no request content."""
+    infer = getattr(node, "infer", None)
+    if infer is None or getattr(infer, "spot_checker", None) is None:
+        return None
+    counts = {k.removeprefix("spot_"): int(v) for k, v in infer.stats.items()
+              if k.startswith("spot_")}
+    keep = ("request_id", "peer", "serving", "kind", "unit", "first_mismatch",
+            "trust_before", "trust_after")
+    last = [{k: e.get(k) for k in keep} for e in reversed(infer.spot_log)]
+    return {"fraction": infer.spot_checker.fraction, "counts": counts,
+            "last": last[:SPOT_CHECKS_LISTED]}
 
 
 def _peers(node, now: float) -> list[dict[str, Any]]:
@@ -275,6 +295,18 @@ def render_text(ov: dict[str, Any], *, width: int = 100, height: int = 40) -> st
                      f"RAM {_size(ns['ram_bytes']):>9} disk {_size(ns['disk_bytes']):>9}  "
                      f"hits {ns.get('cached_tokens', 0)}/{ns.get('prompt_tokens', 0)} tok "
                      f"in {ns.get('served_requests', 0)} req")
+    spot = ov.get("spot_checks")
+    if spot:
+        n = spot["counts"]
+        lines.append(f"spot checks ({spot['fraction']:.0%} of forwarded answers): "
+                     f"{n.get('checks', 0)} run, {n.get('matches', 0)} match, "
+                     f"{n.get('drifts', 0)} drift, {n.get('mismatches', 0)} mismatch, "
+                     f"{n.get('failed', 0) + n.get('dropped', 0)} not run")
+        for e in [e for e in spot["last"] if e["kind"] == "mismatch"][:3]:
+            trust = "" if e["trust_after"] is None else \
+                f", trust {e['trust_before']:.2f} -> {e['trust_after']:.2f}"
+            lines.append(f"  MISMATCH {e['request_id'][:8]} peer {_short(e['peer'])} at "
+                         f"{e['unit']} {e['first_mismatch']}{trust}")
     lines.append("")
     recent = ov.get("recent", [])
     lines.append(f"last requests ({len(recent)})")

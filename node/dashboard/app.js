@@ -140,6 +140,25 @@ function renderRecent(recent) {
   }));
 }
 
+function renderSpot(spot) {
+  // null: spot checks are off on this node
+  document.getElementById("spot").hidden = !spot;
+  if (!spot) return;
+  const n = spot.counts;
+  document.getElementById("spot-counts").textContent =
+    `${Math.round(spot.fraction * 100)}% of forwarded answers re-executed here: ` +
+    `${n.checks ?? 0} run, ${n.matches ?? 0} match, ${n.drifts ?? 0} drift, ` +
+    `${n.mismatches ?? 0} mismatch, ${(n.failed ?? 0) + (n.dropped ?? 0)} not run`;
+  document.getElementById("spot-body").replaceChildren(...spot.last.map((e) => el("tr",
+    { class: "spot", "data-kind": e.kind },
+    el("td", { class: "mono" }, e.request_id.slice(0, 8)),
+    el("td", { class: "mono" }, short(e.peer)),
+    el("td", { class: e.kind === "mismatch" ? "err" : "" }, e.kind),
+    el("td", {}, e.first_mismatch == null ? "-" : `${e.unit} ${e.first_mismatch}`),
+    el("td", {}, e.trust_after == null ? "-"
+      : `${fixed(e.trust_before, 2)} -> ${fixed(e.trust_after, 2)}`))));
+}
+
 let timer = null;
 
 async function poll() {
@@ -164,6 +183,7 @@ async function poll() {
     renderPeers(ov.peers);
     renderCache(ov.namespaces, ov.cache);
     renderRecent(ov.recent);
+    renderSpot(ov.spot_checks);
     live.textContent = `live, ${new Date(ov.generated_at * 1000).toLocaleTimeString()}`;
     live.className = "live";
     document.body.dataset.loaded = "1";

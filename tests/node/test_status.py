@@ -35,6 +35,15 @@ OV = {
                 "reason": "unauthorized", "served_by": "", "route": [], "prompt_tokens": 0,
                 "cached_tokens": 0, "completion_tokens": 0, "ttft_ms": None,
                 "total_ms": 1.0, "error": "unauthorized"}],
+    "spot_checks": {"fraction": 0.05, "counts": {"checks": 3, "matches": 1, "drifts": 1,
+                                                 "mismatches": 1, "failed": 1, "dropped": 0},
+                    "last": [{"request_id": "77aa" * 8, "peer": "12D3KooWPeerBBBB2222",
+                              "serving": "", "kind": "mismatch", "unit": "token",
+                              "first_mismatch": 4, "trust_before": 0.9, "trust_after": 0.1},
+                             {"request_id": "88bb" * 8, "peer": "12D3KooWPeerAAAA1111",
+                              "serving": "", "kind": "match", "unit": "token",
+                              "first_mismatch": None, "trust_before": None,
+                              "trust_after": None}]},
 }
 
 
@@ -50,6 +59,10 @@ def test_render_text_is_one_screen_with_the_facts():
     assert "288/300 cached" in text and "AAAA1111: serve (cached)" in text
     assert "error unauthorized" in text
     assert "50%" in text  # KV usage
+    assert ("spot checks (5% of forwarded answers): 3 run, 1 match, 1 drift, 1 mismatch, "
+            "1 not run") in text
+    assert "MISMATCH 77aa77aa peer BBBB2222 at token 4, trust 0.90 -> 0.10" in text
+    assert "88bb" not in text  # matches are counted, not listed
 
 
 def test_render_text_fits_a_small_terminal():

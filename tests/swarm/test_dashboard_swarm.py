@@ -49,24 +49,27 @@ class OpsNode:
     def __init__(self, swarm: Swarm, name: str, *, gateway: bool, **kwargs):
         self.proc: NodeProc = swarm.add(name, **self._prepare(swarm, name, gateway, kwargs))
 
-    def _prepare(self, swarm: Swarm, name: str, gateway: bool, kwargs: dict) -> dict:
+    def _prepare(self, swarm: Swarm, name: str, gateway: bool, kwargs: dict,
+                 spot_checks: bool = False) -> dict:
         """Write the node's config; returns the ``Swarm.add`` keyword arguments."""
         self.port = _free_port()
         cfg = swarm.root / f"{name}.toml"
         section = "http" if gateway else "metrics"
         cfg.write_text(f'[{section}]\nlisten = "127.0.0.1:{self.port}"\n'
                        + (f'api_key = "{KEY}"\n' if gateway else "")
+                       + ("[routing]\nspot_check_fraction = 1.0\n" if spot_checks else "")
                        + '[tenants.public]\nvisibility = "public"\n')
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"authorization": f"Bearer {KEY}"} if gateway else {}
         return {"extra": ["--config", str(cfg)], "n_ctx": 2048, **kwargs}
 
     @classmethod
-    def add_many(cls, swarm: Swarm, specs: list[tuple[str, bool]], **kwargs) -> list[OpsNode]:
-        """``(name, gateway)`` nodes started together (``Swarm.add_many``)."""
+    def add_many(cls, swarm: Swarm, specs: list[tuple[str, bool, bool]],
+                 **kwargs) -> list[OpsNode]:
+        """``(name, gateway, spot_checks)`` nodes started together (``Swarm.add_many``)."""
         nodes = [cls.__new__(cls) for _ in specs]
-        prepared = [(name, node._prepare(swarm, name, gateway, dict(kwargs)))
-                    for node, (name, gateway) in zip(nodes, specs, strict=True)]
+        prepared = [(name, node._prepare(swarm, name, gateway, dict(kwargs), spot))
+                    for node, (name, gateway, spot) in zip(nodes, specs, strict=True)]
         for node, proc in zip(nodes, swarm.add_many(prepared), strict=True):
             node.proc = proc
         return nodes
@@ -100,7 +103,9 @@ def swarm(tmp_path_factory):
     root = tmp_path_factory.mktemp("dashswarm")
     with Swarm(root) as s:
         a = OpsNode(s, "A", gateway=True)
-        b, c = OpsNode.add_many(s, [("B", True), ("C", False)], bootstrap=[a.proc.addr])
+        # B re-executes every answer it gets from a peer (spot checks on the dashboard)
+        b, c = OpsNode.add_many(s, [("B", True, True), ("C", False, False)],
+                                bootstrap=[a.proc.addr])
         wait_until(lambda: all(sum(p.up for p in peers(n.proc.addr).peers) == 2
                                for n in (a, b, c)),
                    timeout_s=60, what="every node to see the two others up")
@@ -191,6 +196,13 @@ def test_dashboard_in_headless_chromium_shows_peers_and_a_route(swarm, tmp_path)
     ns, s = swarm
     a, b, c = ns["A"], ns["B"], ns["C"]
     page = f"{b.url}/dashboard#key={KEY}"
+
+    def checked():  # every answer B took from a peer re-executed (a verdict, or not run)
+        ov = b.get("/prefixmesh/overview").json()
+        n = ov["spot_checks"]["counts"]
+        return n["checks"] + n["failed"] + n["dropped"] >= ov["node"]["infer"]["forwarded"]
+
+    wait_until(checked, timeout_s=120, what="B's spot checks of forwarded answers")
     done = browser(page, "--dump-dom")
     dom = done.stdout
     assert 'data-loaded="1"' in dom, (done.stderr[-3000:], dom[-3000:])
@@ -205,6 +217,19 @@ def test_dashboard_in_headless_chromium_shows_peers_and_a_route(swarm, tmp_path)
     assert f'data-model="{fp["prefixmesh"]["fingerprint"]}" data-nodes="3"' in dom
     assert dom.count('<td class="peer-model">SmolLM2-135M-Instruct.Q4_1</td>') == 2
     assert "observatory" not in dom  # prompt text never reaches the page
+    # B's spot checks: the section is shown, and each answer B took from a peer (A holds
+    # the shared prefix) is re-executed here and listed with its verdict
+    assert '<section id="spot">' in dom and "re-executed here" in dom
+    spot = b.get("/prefixmesh/overview").json()["spot_checks"]
+    assert dom.count('class="spot"') == len(spot["last"])
+    assert all(e["kind"] == "match" for e in spot["last"])  # A is honest
+    fams = b.metrics()
+    assert _sum(fams, "prefixmesh:spot_checks", outcome="match") == spot["counts"]["matches"]
+    assert _sum(fams, "prefixmesh:spot_checks") == spot["counts"]["checks"] + \
+        spot["counts"]["failed"] + spot["counts"]["dropped"]
+    assert "prefixmesh:spot_checks" not in a.metrics()  # off on A
+    assert '<section id="spot" hidden' in browser(f"{a.url}/dashboard#key={KEY}",
+                                                 "--dump-dom").stdout  # off on A
     shot = tmp_path / "dashboard.png"
     done = browser(page, f"--screenshot={shot}")
     assert shot.exists() and shot.stat().st_size > 10_000, done.stderr[-3000:]

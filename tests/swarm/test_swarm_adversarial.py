@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
+import httpx
 import pytest
 import trio
 from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
@@ -66,7 +68,13 @@ def _stats(node) -> dict[str, int]:
 
 def test_wrong_tokens_are_caught_by_spot_checks(tmp_path):
     with Swarm(tmp_path) as s:
-        a = s.add("A", extra=["--spot-check", "1.0"])
+        # A's operator endpoints show its spot checks (the overview, prefixmesh status)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cfg = tmp_path / "A.toml"
+        cfg.write_text(f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+        a = s.add("A", extra=["--spot-check", "1.0", "--config", str(cfg)])
         b, c = s.add_many([("B", {"env": {"PREFIXMESH_FAULT": "wrong-tokens"}}),  # the liar
                            "C"], bootstrap=[a.addr])  # C: honest
         trust_b, trust_c = f"trust_{b.peer_b58[-8:]}", f"trust_{c.peer_b58[-8:]}"
@@ -96,6 +104,16 @@ def test_wrong_tokens_are_caught_by_spot_checks(tmp_path):
         line = next(ln for ln in log.splitlines() if "spot check MISMATCH" in ln)
         assert bad.final.id.hex() in line and b.peer_b58 in line
         assert "first mismatch at token 0" in line
+        spot = httpx.get(f"http://127.0.0.1:{port}/prefixmesh/overview",
+                         timeout=30).json()["spot_checks"]
+        assert spot["fraction"] == 1.0
+        assert (spot["counts"]["checks"], spot["counts"]["mismatches"]) == (2, 1)
+        newest, oldest = spot["last"]
+        assert (newest["kind"], newest["peer"], newest["first_mismatch"]) == \
+            ("mismatch", b.peer_b58, 0)
+        assert newest["request_id"] == bad.final.id.hex() and newest["trust_after"] < 0.2
+        assert (oldest["kind"], oldest["peer"]) == ("match", c.peer_b58)
+        assert "expected" not in newest and "got" not in newest  # no request content
 
         # afterwards B is no longer routed to, and the answer is the correct greedy text
         reference = ask(c.addr, SPOT_STORY, max_tokens=8, hop_budget=0)
