@@ -78,6 +78,8 @@ def format_stats(stats: TurnStats) -> str:
         parts.append(f"TTFT {stats.ttft_s:.2f} s")
     if stats.completion_tokens and math.isfinite(stats.total_s):
         parts.append(f"{stats.completion_tokens} tokens in {stats.total_s:.2f} s")
+    if stats.batched:
+        parts.append("batched")
     return " · ".join(parts)
 
 

@@ -378,6 +378,7 @@ def turn_stats(final: wire.Final, ttft_s: float, total_s: float, cls):
         total_s=total_s,
         finish_reason=final.finish_reason,
         route=route_lines(final),
+        batched=final.batched,
     )
 
 

@@ -972,6 +972,7 @@ def _route_header(route: Mapping[str, Any]) -> bytes:
     compact = {
         "entry": route.get("entry"),
         "serving": route.get("serving"),
+        "batched": bool(route.get("batched")),
         "hops": [{k: v for k, v in hop.items() if k in ("peer", "action", "next", "matched")}
                  for hop in route.get("hops", [])],
     }
@@ -1001,8 +1002,11 @@ def route_json(final) -> dict[str, Any]:
         if h.next_peer:
             hop["next"] = b58(h.next_peer)
         hops.append(hop)
+    # batched: the serving engine decoded it in a shared batch (throughput mode), so a
+    # greedy answer may differ from a deterministic run of the same prompt
     return {"entry": b58(final.entry), "serving": b58(final.serving),
-            "ttft_ms": ms(final.ttft_ms), "total_ms": ms(final.total_ms), "hops": hops}
+            "ttft_ms": ms(final.ttft_ms), "total_ms": ms(final.total_ms),
+            "batched": final.batched, "hops": hops}
 
 
 _WIRE_ERRORS: dict[str, type[ApiError]] = {

@@ -286,6 +286,15 @@ class NodeCollector:
             size.add_metric(["ram"], st.ram_bytes)
             size.add_metric(["disk"], st.disk_bytes)
             yield size
+        batching = getattr(getattr(backend, "engine", None), "batch_counters", None)
+        if getattr(backend, "batched", False) and batching is not None:
+            # throughput mode: sequences / steps is the mean batch (how much batching pays)
+            yield CounterMetricFamily(p + "engine_batch_steps", "shared llama_decode calls "
+                                      "(batch_mode throughput)", value=batching["steps"])
+            yield CounterMetricFamily(p + "engine_batch_sequences", "sequences in those "
+                                      "calls, summed over calls", value=batching["sequences"])
+            yield CounterMetricFamily(p + "engine_batch_tokens", "tokens evaluated in those "
+                                      "calls (prompt and generated)", value=batching["tokens"])
 
     def _peers(self) -> Iterable:
         p = PREFIX

@@ -85,7 +85,15 @@ def _self(node, metrics, now: float) -> dict[str, Any]:
             "kv_used_bytes": load.kv_used_bytes, "kv_capacity_bytes": load.kv_capacity_bytes,
             "prefill_tps": _num(load.prefill_tps, 1) if load.prefill_measured else None,
             "decode_tps": _num(load.decode_tps, 1),
+            "batch_mode": "throughput" if getattr(node.backend, "batched", False)
+            else "deterministic",
         }
+        batching = getattr(getattr(node.backend, "engine", None), "batch_counters", None)
+        if me["engine"]["batch_mode"] == "throughput" and batching is not None:
+            steps = batching["steps"]
+            me["engine"]["batch_steps"] = steps
+            me["engine"]["sequences_per_step"] = _num(batching["sequences"] / steps, 2) \
+                if steps else None
     except Exception:  # engine not loaded yet or closing
         me["engine"] = None
     if getattr(node, "reachability", None) is not None:  # issue 16
@@ -264,7 +272,9 @@ def render_text(ov: dict[str, Any], *, width: int = 100, height: int = 40) -> st
         pct = f"{100 * used / cap:.0f}%" if cap else "-"
         lines.append(f"engine: {eng.get('active', 0)} running, {eng.get('queue_depth', 0)} "
                      f"waiting; KV {_size(used)} / {_size(cap)} ({pct}); prefill "
-                     f"{eng.get('prefill_tps') or '-'} tok/s, decode {eng.get('decode_tps')} tok/s")
+                     f"{eng.get('prefill_tps') or '-'} tok/s, decode {eng.get('decode_tps')} tok/s"
+                     + (f"; batched, {eng.get('sequences_per_step') or '-'} sequences a step"
+                        if eng.get("batch_mode") == "throughput" else ""))
     inf = me.get("infer") or {}
     if inf:
         lines.append(f"requests {inf.get('requests', 0)}: served here "

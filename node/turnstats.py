@@ -24,6 +24,9 @@ class TurnStats:
     total_s: float = math.nan
     finish_reason: str = ""
     route: tuple[str, ...] = ()  # one "peer: action (reason)" per hop
+    # decoded in a shared batch (a throughput-mode engine): a greedy answer may differ
+    # from a deterministic run of the same prompt (docs/bench/engine.md, section 5)
+    batched: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

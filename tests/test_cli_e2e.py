@@ -78,6 +78,7 @@ def test_ask_json(node_addr):
     assert stats["served_by"] == node_addr.rsplit("/", 1)[1]
     assert stats["hops"] == 0 and stats["completion_tokens"] == 8
     assert stats["prompt_tokens"] > 0 and stats["ttft_s"] > 0
+    assert stats["batched"] is False  # not decoded in a shared batch
 
 
 def test_ask_streams_text_and_stats_line(node_addr):

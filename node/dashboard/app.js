@@ -52,7 +52,9 @@ function renderSelf(me) {
     ["reachability", me.reachability ? me.reachability.line +
       (me.reachability.nat && me.reachability.nat !== "unknown" ? ` (NAT ${me.reachability.nat})` : "")
       : "-"],
-    ["engine", `${e.active ?? 0} running, ${e.queue_depth ?? 0} waiting`],
+    ["engine", `${e.active ?? 0} running, ${e.queue_depth ?? 0} waiting` +
+      (e.batch_mode === "throughput"
+        ? `; batched, ${e.sequences_per_step ?? "-"} sequences a step` : "")],
     ["rates", (e.prefill_tps == null ? "prefill not measured yet"
       : `prefill ${fixed(e.prefill_tps, 0)} tok/s`) + `, decode ${fixed(e.decode_tps, 0)} tok/s`],
     ["requests", `${inf.requests ?? 0} (served here ${inf.served_local ?? 0}, forwarded ` +

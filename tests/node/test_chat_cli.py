@@ -163,6 +163,8 @@ def test_format_stats_edge_cases():
     s = TurnStats(served_by="abc", hops=0, prompt_tokens=5, cached_tokens=0)
     assert format_stats(s) == "served by abc · 0 hops · cached 0/5 prompt tokens"
     assert math.isnan(s.ttft_s) and s.to_json()["ttft_s"] is None
+    # an answer decoded in a shared batch says so (it may differ from a deterministic run)
+    assert format_stats(TurnStats(served_by="abc", batched=True)).endswith(" · batched")
 
 
 def test_format_peers():

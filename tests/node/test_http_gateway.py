@@ -58,6 +58,23 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 # --- the official client: happy paths ---------------------------------------------------
 
 
+def test_the_route_says_whether_the_answer_was_decoded_in_a_shared_batch():
+    from prefixmesh.node.http_gateway import _route_header, route_json
+    from prefixmesh.overlay.core import wire
+    from prefixmesh.overlay.core.identity import peer_id_from_public_key
+
+    peer = peer_id_from_public_key(b"\x07" * 32)
+    hop = wire.Hop(peer=peer, action="serve", reason="local", local_matched_tokens=16,
+                   ttft_ms=3.0)
+    for batched in (False, True):
+        final = wire.Final(id=b"\1" * 16, entry=peer, serving=peer, prompt_tokens=20,
+                           cached_tokens=16, completion_tokens=4, ttft_ms=3.0, total_ms=9.0,
+                           finish_reason="stop", hops=(hop,), batched=batched)
+        route = route_json(final)
+        assert route["batched"] is batched and route["hops"][0]["matched"] == 16
+        assert json.loads(_route_header(route))["batched"] is batched
+
+
 def test_models_list_and_retrieve():
     with running() as (gw, _):
         c = client(gw)

@@ -125,3 +125,11 @@ def test_overview_of_a_node_lists_prefix_sizes_never_tokens():
     assert ov["node"]["peer_id"] == me.peer_id_b58 and ov["peers"] == []
     assert ov["recent"][0]["cached_tokens"] == 8 and "\\x" not in str(ov["recent"])
     assert ov["cache"]["misses"] == 0
+
+
+def test_render_text_says_when_the_engine_batches():
+    engine = {**OV["node"]["engine"], "batch_mode": "throughput", "batch_steps": 40,
+              "sequences_per_step": 3.5}
+    text = render_text({**OV, "node": {**OV["node"], "engine": engine}}, width=200)
+    assert "batched, 3.5 sequences a step" in text
+    assert "batched" not in render_text(OV, width=200).split("spot checks")[0]

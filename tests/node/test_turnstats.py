@@ -26,13 +26,13 @@ def test_defaults_are_an_unmeasured_answer_served_by_the_entry_node():
 def test_to_json_carries_every_field():
     s = TurnStats(served_by="B", entry="A", hops=1, prompt_tokens=540, cached_tokens=512,
                   completion_tokens=32, ttft_s=0.25, total_s=1.5, finish_reason="length",
-                  route=("A: forward (prefix_hit)", "B: serve (local)"))
+                  route=("A: forward (prefix_hit)", "B: serve (local)"), batched=True)
     d = s.to_json()
     assert set(d) == {f.name for f in dataclasses.fields(TurnStats)}
     assert d == {"served_by": "B", "entry": "A", "hops": 1, "prompt_tokens": 540,
                  "cached_tokens": 512, "completion_tokens": 32, "ttft_s": 0.25,
                  "total_s": 1.5, "finish_reason": "length",
-                 "route": ["A: forward (prefix_hit)", "B: serve (local)"]}
+                 "route": ["A: forward (prefix_hit)", "B: serve (local)"], "batched": True}
 
 
 def test_stats_are_immutable():

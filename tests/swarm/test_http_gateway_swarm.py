@@ -97,6 +97,8 @@ def test_models_and_chat_through_the_mesh_reuse_cached_prefix(nodes):
     route = first.model_extra["prefixmesh"]["route"]
     assert route["entry"] == a.proc.peer_b58
     assert json.loads(raw.headers["x-prefixmesh-route"])["serving"] == route["serving"]
+    # deterministic engines (the default): not decoded in a shared batch
+    assert route["batched"] is False
     holder = _by_peer(ns, route["serving"])
 
     # 2. streaming chat with the same long prefix entering at another node
