@@ -5,15 +5,18 @@ sees the batching in the overview and in ``/metrics``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
-import threading
 
 import _forkserver
 import httpx
 import pytest
-from _swarm import Swarm, ask
+import trio
+from _swarm import Swarm
+
+from prefixmesh.node.client import Client
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +32,9 @@ def test_a_throughput_node_batches_concurrent_requests_and_says_so(tmp_path):
     cfg.write_text(f'[model]\nbatch_mode = "throughput"\n[metrics]\nlisten = "127.0.0.1:{port}"\n')
     with Swarm(tmp_path) as s:
         a = s.add("A", extra=["--config", str(cfg)])
-        answers: dict[int, object] = {}
-
-        def one(i: int) -> None:
-            answers[i] = ask(a.addr, [("user", QUESTIONS[i])], max_tokens=16)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert sorted(answers) == list(range(len(QUESTIONS))), s.logs()
-        assert all(ans.final.batched and ans.text for ans in answers.values())
+        answers = trio.run(_ask_at_once, a.addr)
+        assert len(answers) == len(QUESTIONS), s.logs()
+        assert all(ans.final.batched and ans.text for ans in answers)
 
         ov = httpx.get(f"http://127.0.0.1:{port}/prefixmesh/overview", timeout=30).json()
         engine = ov["node"]["engine"]
@@ -59,3 +53,20 @@ def test_a_throughput_node_batches_concurrent_requests_and_says_so(tmp_path):
                                "--json", "--max-tokens", "4", "Hello?"], timeout=60)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["stats"]["batched"] is True
+
+
+async def _ask_at_once(addr: str) -> list:
+    """Every question on its own connection, all connected first and then sent together
+    (so that they overlap in the engine whatever the connection set-up costs)."""
+    answers: list = []
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(Client.connect(addr)) for _ in QUESTIONS]
+
+        async def one(client, question: str) -> None:
+            answers.append(await client.ask([("user", question)], max_tokens=16))
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for client, question in zip(clients, QUESTIONS, strict=True):
+                    nursery.start_soon(one, client, question)
+    return answers
