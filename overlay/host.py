@@ -659,15 +659,28 @@ class OverlayHost:
                 raise
             except Exception as exc:
                 log.debug("handler %s: %s: %s", protocol, type(exc).__name__, exc)
-                with contextlib.suppress(Exception):
-                    await stream.reset()
+                await _reset_quietly(stream)
 
         self.libp2p.set_stream_handler(protocol, guarded)
 
 
 async def _reset_quietly(stream) -> None:
-    with contextlib.suppress(Exception), trio.move_on_after(1):
+    with contextlib.suppress(Exception), trio.CancelScope(shield=True), trio.move_on_after(1):
         await stream.reset()
+
+
+async def write_whole(stream, data: bytes, timeout_s: float) -> None:
+    """Write ``data`` to a libp2p stream, shielded from cancellation from outside and
+    bounded by ``timeout_s`` alone (``trio.TooSlowError`` past it).
+
+    Why shielded: py-libp2p's Noise session encrypts a message, advancing its nonce, before
+    it awaits the connection's write lock, so a cancellation that reaches that await drops
+    an encrypted message: the peer can decrypt nothing more and resets the connection,
+    every stream on it included (a request's deadline firing while a token was being
+    relayed did that; ``tests/overlay/test_host.py`` reproduces it). A write that outlasts
+    its own timeout is cut the same way, but a link that slow is lost anyway."""
+    with trio.CancelScope(shield=True), trio.fail_after(timeout_s):
+        await stream.write(data)
 
 
 #: Benchmark-only link delay (seconds added to every frame this process sends), for
@@ -732,8 +745,8 @@ class FramedStream:
             self._release_at = max(trio.current_time() + _link_delay_s, self._release_at)
             await trio.sleep_until(self._release_at)
         try:
-            with trio.fail_after(self.timeout_s if timeout_s is None else timeout_s):
-                await self.stream.write(data)
+            await write_whole(self.stream, data,
+                              self.timeout_s if timeout_s is None else timeout_s)
         except trio.TooSlowError:
             raise PeerTimeout("write timed out") from None
         except trio.Cancelled:
@@ -820,11 +833,14 @@ class FramedStream:
             self._raw += data
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception), trio.move_on_after(1):
+        # shielded like write_whole: closing and resetting send a frame too
+        with contextlib.suppress(Exception), trio.CancelScope(shield=True), \
+                trio.move_on_after(1):
             await self.stream.close()
 
     async def reset(self) -> None:
-        with contextlib.suppress(Exception), trio.move_on_after(1):
+        with contextlib.suppress(Exception), trio.CancelScope(shield=True), \
+                trio.move_on_after(1):
             await self.stream.reset()
 
 

@@ -171,7 +171,9 @@ class FixedHop(CircuitV2Protocol):
                         wait = max(wait, circuit.bucket.take(len(data), now))
                     if wait > 0:
                         await trio.sleep(wait)
-                    with trio.fail_after(self.write_timeout):
+                    # shielded: a cancelled write can desync the connection's Noise
+                    # session (overlay/host.py write_whole says how)
+                    with trio.CancelScope(shield=True), trio.fail_after(self.write_timeout):
                         await dst_stream.write(data)
                     self.bytes_carried += len(data)
             if scope.cancelled_caught:

@@ -226,3 +226,48 @@ def test_an_error_a_nursery_wrapped_alone_comes_out_as_itself():
     with pytest.raises(BaseExceptionGroup) as group:
         trio.run(two)
     assert sorted(str(e) for e in group.value.exceptions) == ["a", "b"]
+
+
+def test_a_write_cancelled_midway_neither_drops_a_frame_nor_breaks_the_connection():
+    """py-libp2p's Noise session encrypts before it awaits the connection's write lock: a
+    cancellation landing there used to drop an encrypted message, after which the peer
+    could decrypt nothing and reset the connection (a request's deadline firing while a
+    token was relayed: the client saw the stream end without the node's ``deadline``
+    ERROR). Cancelled at every step of the write, each frame still arrives whole, and so
+    does the next one."""
+
+    async def main():
+        a, b = OverlayHost(Identity.generate()), OverlayHost(Identity.generate())
+        got: list = []
+
+        async def sink(stream):
+            fs = FramedStream(stream, timeout_s=5)
+            while (frame := await fs.receive()) is not None:
+                got.append(frame.nonce)
+            got.append("EOF")
+
+        b.set_handler("/test/sink", sink)
+        async with a.run(), b.run():
+            await a.connect(b.peer_id, b.listen_addrs(), 5)
+            fs = FramedStream(await a.open_stream(b.peer_id, "/test/sink"))
+            sent: list[int] = []
+            for steps in range(12):  # the cancellation arrives after this many scheduler steps
+                with trio.CancelScope() as scope:
+
+                    async def cancel_later(n=steps, scope=scope):
+                        for _ in range(n):
+                            await trio.lowlevel.cancel_shielded_checkpoint()
+                        scope.cancel()
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(cancel_later)
+                        await fs.send(wire.Ping(100 + steps))
+                await fs.send(wire.Ping(200 + steps))
+                sent += [100 + steps, 200 + steps]
+            with trio.fail_after(5):
+                while len(got) < len(sent):
+                    await trio.sleep(0.01)
+            assert got == sent
+            await fs.close()
+
+    trio.run(main)
