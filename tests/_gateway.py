@@ -7,14 +7,13 @@ Not a test module; shared by the gateway, dashboard and Ollama API tests.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import trio
-from _swarm import NodeProc, Swarm
+from _swarm import NodeProc, Swarm, free_port
 from openai import OpenAI
 
 from prefixmesh.node.http_gateway import (
@@ -191,12 +190,6 @@ def wait_until(pred, timeout_s: float = 5.0) -> bool:
 TEAM_SECRET = "team-secret-for-the-gateway-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class HttpNode:
     """A node process with its HTTP gateway on a free loopback port."""
 
@@ -207,7 +200,7 @@ class HttpNode:
 
     def _prepare(self, swarm: Swarm, name: str, api_key: str | None, kwargs: dict) -> dict:
         """Write the node's gateway config; returns the ``Swarm.add`` keyword arguments."""
-        self.port = _free_port()
+        self.port = free_port()
         self.api_key = api_key
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         cfg = swarm.root / f"{name}.toml"

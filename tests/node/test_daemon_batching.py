@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import sys
 
 import _forkserver
 import httpx
 import pytest
 import trio
-from _swarm import Swarm
+from _swarm import Swarm, free_port
 
 from prefixmesh.node.client import Client
 
@@ -25,9 +24,7 @@ QUESTIONS = ("Why is the sea salty?", "What is a comet made of?", "How do bees m
 
 
 def test_a_throughput_node_batches_concurrent_requests_and_says_so(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cfg = tmp_path / "batching.toml"
     cfg.write_text(f'[model]\nbatch_mode = "throughput"\n[metrics]\nlisten = "127.0.0.1:{port}"\n')
     with Swarm(tmp_path) as s:

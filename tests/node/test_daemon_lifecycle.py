@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from pathlib import Path
 import _forkserver
 import pytest
 import trio
-from _swarm import NodeProc, Swarm, ask, peers, wait_until  # noqa: E402
+from _swarm import NodeProc, Swarm, ask, free_port, peers, wait_until  # noqa: E402
 
 from prefixmesh.node.client import Client, RequestFailed  # noqa: E402
 
@@ -38,12 +37,6 @@ pytestmark = pytest.mark.slow  # real node processes and the real model
 
 STOP_BOUND_S = 10.0  # detects a hang; the budget itself is 3 s (measured: docs)
 REFUSE_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(node: NodeProc, sig: int) -> tuple[float, int]:
@@ -89,7 +82,7 @@ def test_sigterm_with_mdns_on_stops_within_budget(tmp_path):
 
 def test_sigint_with_unreachable_bootstrap_peer_stops(tmp_path):
     # a bootstrap peer that refuses connections keeps the node dialling when told to stop
-    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/12D3KooWDLed76Dxeu3iEDzb8F13U3vaD24fqzNTnHA8cq9ej43i"
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/12D3KooWDLed76Dxeu3iEDzb8F13U3vaD24fqzNTnHA8cq9ej43i"
     with Swarm(tmp_path) as swarm:
         node = swarm.add("a", bootstrap=[dead])
         time.sleep(1.5)
@@ -128,7 +121,7 @@ def test_sigterm_ends_a_request_in_flight_with_an_error_frame(tmp_path):
 
 def test_second_node_on_a_used_port_key_file_or_cache_dir_is_refused(tmp_path):
     """One running node; a second one on its port, its key file, its cache directory."""
-    port = _free_port()
+    port = free_port()
     listen = f"/ip4/127.0.0.1/tcp/{port}"
     with Swarm(tmp_path) as swarm:
         first = swarm.add("a", listen=listen)

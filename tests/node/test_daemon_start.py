@@ -7,22 +7,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+from _swarm import free_port
 
 # importing these must not import py-libp2p: they are what a node needs to serve HTTP
 SERVING_MODULES = ("prefixmesh.node.daemon", "prefixmesh.node.http_gateway",
                    "prefixmesh.overlay.infer", "prefixmesh.overlay.host")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_what_a_node_serves_with_imports_no_py_libp2p():
@@ -55,10 +49,10 @@ sys.exit(run_node(load_config(None, {overrides!r}), NodeOptions(backend="sim", d
 
 
 def test_the_node_answers_http_before_it_joins_the_overlay_and_stops_gracefully(tmp_path):
-    port = _free_port()
+    port = free_port()
     overrides = {"node.key_file": str(tmp_path / "node.key"),
                  "node.cache_dir": str(tmp_path / "kv"),
-                 "node.listen": f"/ip4/127.0.0.1/tcp/{_free_port()}", "node.mdns": False,
+                 "node.listen": f"/ip4/127.0.0.1/tcp/{free_port()}", "node.mdns": False,
                  "http.listen": f"127.0.0.1:{port}"}
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as fo, open(err, "w") as fe:

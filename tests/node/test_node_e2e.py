@@ -29,7 +29,7 @@ import _forkserver
 import pytest
 import trio
 from _model_fixture import TEST_THREADS, default_model_path  # noqa: E402
-from _swarm import NodeProc, peers  # noqa: E402
+from _swarm import NodeProc, free_port, peers  # noqa: E402
 
 from prefixmesh.overlay.core.identity import peer_id_to_b58  # noqa: E402
 from prefixmesh.overlay.core.wire import PeerInfo  # noqa: E402
@@ -491,12 +491,6 @@ def test_forged_and_missing_credentials_are_refused(swarm):
 # --- bad configuration at start -------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -528,7 +522,7 @@ def test_a_bad_config_stops_the_node_at_once_with_one_line(case, tmp_path):
     save_identity(Identity.generate(), tmp_path / "open.key")
     (tmp_path / "open.key").chmod(0o644)  # a stat check: refused even for root
     lines, needle = BAD_CONFIGS[case]
-    port = _free_port()
+    port = free_port()
     listen = f'listen = "/ip4/127.0.0.1/tcp/{port}"'
     cfg = tmp_path / "bad.toml"
     defaults = {"listen": listen, "mdns": "mdns = false", "cache_dir": 'cache_dir = "kv"',

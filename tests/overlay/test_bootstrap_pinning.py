@@ -16,11 +16,11 @@ but which A signed is rejected by the DHT validator (signature check, not just t
 from __future__ import annotations
 
 import logging
-import socket
 
 import cbor2
 import pytest
 import trio
+from _swarm import free_port
 
 from prefixmesh.node.config import ConfigError, load_config
 from prefixmesh.overlay.core.identity import Identity
@@ -36,12 +36,6 @@ from prefixmesh.overlay.discovery import (
 from prefixmesh.overlay.host import OverlayHost, PeerUnreachable, split_p2p_addr
 
 WAIT_S = 20.0  # generous: a busy 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _until(predicate, what: str, timeout_s: float = WAIT_S) -> None:
@@ -83,7 +77,7 @@ def test_a_dial_to_an_impostor_fails_and_leaves_no_trace(caplog):
 
 def test_bootstrap_to_an_impersonated_address_is_not_eclipsed():
     x, y, z, n = (Identity.generate() for _ in range(4))
-    port = _free_port()
+    port = free_port()
     pinned_x = f"/ip4/127.0.0.1/tcp/{port}/p2p/{x.peer_id_b58}"
 
     async def main():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import _forkserver
 import httpx
 import pytest
 from _browser import browser
-from _swarm import NodeProc, Swarm, peers, wait_until  # noqa: E402
+from _swarm import NodeProc, Swarm, free_port, peers, wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
@@ -37,12 +36,6 @@ SHARED = (
 KEY = "operator-key-for-the-dashboard-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class OpsNode:
     """A node process with the gateway ([http]) or only the operator endpoints ([metrics])."""
 
@@ -52,7 +45,7 @@ class OpsNode:
     def _prepare(self, swarm: Swarm, name: str, gateway: bool, kwargs: dict,
                  spot_checks: bool = False) -> dict:
         """Write the node's config; returns the ``Swarm.add`` keyword arguments."""
-        self.port = _free_port()
+        self.port = free_port()
         cfg = swarm.root / f"{name}.toml"
         section = "http" if gateway else "metrics"
         cfg.write_text(f'[{section}]\nlisten = "127.0.0.1:{self.port}"\n'

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 import trio
-from _swarm import Swarm, ask, peers, wait_until  # noqa: E402
+from _swarm import Swarm, ask, free_port, peers, wait_until  # noqa: E402
 
 from prefixmesh.overlay.core import wire  # noqa: E402
 
@@ -69,9 +68,7 @@ def _stats(node) -> dict[str, int]:
 def test_wrong_tokens_are_caught_by_spot_checks(tmp_path):
     with Swarm(tmp_path) as s:
         # A's operator endpoints show its spot checks (the overview, prefixmesh status)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         cfg = tmp_path / "A.toml"
         cfg.write_text(f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
         a = s.add("A", extra=["--spot-check", "1.0", "--config", str(cfg)])
