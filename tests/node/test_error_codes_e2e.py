@@ -11,8 +11,8 @@ import sys
 import _forkserver
 import httpx
 import pytest
-from _gateway import TEAM_SECRET, _free_port
-from _swarm import Swarm
+from _gateway import TEAM_SECRET
+from _swarm import Swarm, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     root = tmp_path_factory.mktemp("errors")
-    port = _free_port()
+    port = free_port()
     cfg = root / "node.toml"
     cfg.write_text(f'[http]\nlisten = "127.0.0.1:{port}"\napi_key = "{KEY}"\n'
                    '[tenants.public]\nvisibility = "public"\n'

@@ -7,8 +7,7 @@ answered before and after, and the node keeps running."""
 
 from __future__ import annotations
 
-from _gateway import _free_port
-from _swarm import Swarm
+from _swarm import Swarm, free_port
 from adversary.http_tenant import post, use_private_tenant
 
 SECRET = "a-private-team-secret-0123456789"
@@ -17,7 +16,7 @@ CHAT = {"model": "prefixmesh", "max_tokens": 2,
 
 
 def test_private_tenant_header_without_a_key_is_refused(tmp_path):
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "a.toml"
     cfg.write_text(f'[http]\nlisten = "127.0.0.1:{port}"\n'
                    '[tenants.public]\nvisibility = "public"\n'
